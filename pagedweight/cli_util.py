@@ -1,0 +1,49 @@
+"""A small argparse front end shared by the ``pwsim`` and ``pwgpu`` commands.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; modules are imported when the CLI is built, so they must keep heavy
+imports (torch, simpy) inside ``run``. Errors the project raises on purpose
+(``PagedWeightError``) are printed as one clear message with exit code 2, never a traceback.
+
+Exit codes scripts can rely on: 0 success, 1 the command ran but its check failed
+(e.g. a validation bound), 2 bad input or a command that is not available, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+
+from pagedweight.errors import PagedWeightError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def build_main(prog: str, description: str, commands: dict[str, str]) -> Callable[[list[str] | None], int]:
+    """``commands`` maps a subcommand name to the module that implements it."""
+
+    def main(argv: list[str] | None = None) -> int:
+        parser = argparse.ArgumentParser(prog=prog, description=description)
+        subs = parser.add_subparsers(dest="command", metavar="COMMAND")
+        for name, module_name in commands.items():
+            module = importlib.import_module(module_name)
+            doc = (module.__doc__ or "").strip()
+            sub = subs.add_parser(name, help=doc.splitlines()[0] if doc else None, description=doc)
+            module.add_arguments(sub)
+            sub.set_defaults(_run=module.run)
+        args = parser.parse_args(argv)
+        if not getattr(args, "_run", None):
+            parser.print_help()
+            return EXIT_USAGE
+        try:
+            return int(args._run(args) or 0)
+        except PagedWeightError as e:
+            print(f"{prog} {args.command}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            print(f"{prog} {args.command}: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+
+    return main

@@ -1,0 +1,105 @@
+"""The latency-table format: what ``pwgpu profile`` writes and ``pwsim``'s latency model reads.
+
+One long CSV per device, ``traces/kernels/<gpu>.csv``, one row per measured point, plus a
+``<gpu>.meta.yaml`` beside it (device, torch/triton/CUDA versions, date, grid, models).
+
+Columns (unused keys are 0 for an op):
+
+| column          | meaning                                                                 |
+|-----------------|-------------------------------------------------------------------------|
+| model           | ModelSpec name whose shapes were measured (``pagedweight.spec``)        |
+| op              | one of ``OPS`` below                                                    |
+| precision       | weight precision name (``pagedweight.spec.PRECISIONS``), or ``-``       |
+| m               | tokens (per expert for ``moe_ffn``; total for ``dense``/``lm_head``/``attn_prefill``) |
+| e               | active experts in the call (``moe_ffn``)                                |
+| batch           | sequences (``attn_decode``)                                             |
+| kv_len          | context length in tokens (attention ops)                                |
+| n, k            | matrix shape: output rows, input columns (``moe_ffn``: n = F, k = H; ``quantize``) |
+| bytes           | bytes moved (``h2d_copy``)                                              |
+| latency_us_p50  | median latency in microseconds; ``_p20`` and ``_p80`` give the spread   |
+| samples         | timed repetitions behind the percentiles                                |
+
+Ops, all *per layer* where the model has layers:
+- ``moe_ffn``: one fused expert FFN call (gate+up, SiLU*mul, down, routing-weight epilogue)
+  for ``e`` experts of one precision with ``m`` tokens each.
+- ``attn_prefill``: attention for ``m`` new tokens attending to ``kv_len`` tokens.
+- ``attn_decode``: paged decode attention for ``batch`` sequences of ``kv_len`` tokens each.
+- ``dense``: everything else in a layer for ``m`` tokens (norms, QKV/O projections, router,
+  shared experts).
+- ``lm_head``: embedding, final norm, LM head and sampling for ``m`` tokens (once per step).
+- ``quantize``: quantise one ``[n, k]`` bf16 matrix to ``precision`` on the device.
+- ``h2d_copy``: copy ``bytes`` from pinned host memory to the device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from pagedweight.errors import SpecError
+from pagedweight.spec import PRECISIONS
+
+OPS = ("moe_ffn", "attn_prefill", "attn_decode", "dense", "lm_head", "quantize", "h2d_copy")
+KEY_COLUMNS = ("model", "op", "precision", "m", "e", "batch", "kv_len", "n", "k", "bytes")
+VALUE_COLUMNS = ("latency_us_p50", "latency_us_p20", "latency_us_p80", "samples")
+COLUMNS = KEY_COLUMNS + VALUE_COLUMNS
+META_REQUIRED = ("device", "date", "torch", "triton", "cuda", "models", "grid")
+
+
+def meta_path(csv_path: str | Path) -> Path:
+    p = Path(csv_path)
+    return p.with_name(p.stem + ".meta.yaml")
+
+
+def read_kernel_table(path: str | Path) -> tuple[pd.DataFrame, dict]:
+    """Load and validate a latency table and its meta file; errors name the file, row and column."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"latency table {path} does not exist")
+    df = pd.read_csv(path)
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        raise SpecError(f"{path}: missing columns {missing}; expected {list(COLUMNS)}")
+    bad_op = ~df["op"].isin(OPS)
+    if bad_op.any():
+        row = int(bad_op.idxmax())
+        raise SpecError(f"{path}: line {row + 2}: op {df['op'][row]!r} unknown; allowed: {', '.join(OPS)}")
+    bad_prec = ~df["precision"].isin(list(PRECISIONS) + ["-"])
+    if bad_prec.any():
+        row = int(bad_prec.idxmax())
+        raise SpecError(
+            f"{path}: line {row + 2}: precision {df['precision'][row]!r} unknown; allowed: {', '.join(PRECISIONS)}, -"
+        )
+    for col in VALUE_COLUMNS + KEY_COLUMNS[3:]:
+        vals = pd.to_numeric(df[col], errors="coerce")
+        bad = vals.isna() | (vals < 0)
+        if bad.any():
+            row = int(bad.idxmax())
+            raise SpecError(f"{path}: line {row + 2}: column {col} must be a number >= 0 (got {df[col][row]!r})")
+    mp = meta_path(path)
+    if not mp.is_file():
+        raise SpecError(f"{path}: its meta file {mp} is missing (device, versions, date, grid)")
+    with open(mp) as f:
+        meta = yaml.safe_load(f) or {}
+    absent = [k for k in META_REQUIRED if k not in meta]
+    if absent:
+        raise SpecError(f"{mp}: missing keys {absent}; required: {', '.join(META_REQUIRED)}")
+    return df, meta
+
+
+def write_kernel_table(df: pd.DataFrame, path: str | Path, meta: dict) -> None:
+    """Write the CSV (columns in the documented order) and its meta file."""
+    absent = [k for k in META_REQUIRED if k not in meta]
+    if absent:
+        raise SpecError(f"latency table meta is missing {absent}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = df.copy()
+    for c in KEY_COLUMNS[3:]:
+        if c not in out:
+            out[c] = 0
+    out[list(COLUMNS)].to_csv(path, index=False)
+    with open(meta_path(path), "w") as f:
+        yaml.safe_dump(meta, f, sort_keys=False)

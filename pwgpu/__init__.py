@@ -1,0 +1,2 @@
+"""pwgpu: the real engine (PyTorch + Triton) running the same ``pagedweight`` scheduler and
+controller as ``pwsim``, plus the profiler that writes the latency tables ``pwsim`` reads."""

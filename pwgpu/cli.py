@@ -1,0 +1,14 @@
+"""The ``pwgpu`` command line."""
+
+from __future__ import annotations
+
+import sys
+
+from pagedweight.cli_util import build_main
+
+COMMANDS: dict[str, str] = {}
+
+main = build_main("pwgpu", "PagedWeight engine: serve, profile and evaluate MoE models with dynamic expert precision.", COMMANDS)
+
+if __name__ == "__main__":
+    sys.exit(main())

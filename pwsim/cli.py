@@ -1,0 +1,16 @@
+"""The ``pwsim`` command line."""
+
+from __future__ import annotations
+
+import sys
+
+from pagedweight.cli_util import build_main
+
+COMMANDS: dict[str, str] = {
+    "specs": "pwsim.commands.specs",
+}
+
+main = build_main("pwsim", "PagedWeight simulator: replay traces against an MoE model, a GPU and a memory budget.", COMMANDS)
+
+if __name__ == "__main__":
+    sys.exit(main())
