@@ -8,7 +8,9 @@ from pagedweight.cli_util import build_main
 
 COMMANDS: dict[str, str] = {}
 
-main = build_main("pwgpu", "PagedWeight engine: serve, profile and evaluate MoE models with dynamic expert precision.", COMMANDS)
+main = build_main(
+    "pwgpu", "PagedWeight engine: serve, profile and evaluate MoE models with dynamic expert precision.", COMMANDS
+)
 
 if __name__ == "__main__":
     sys.exit(main())

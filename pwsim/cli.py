@@ -10,7 +10,9 @@ COMMANDS: dict[str, str] = {
     "specs": "pwsim.commands.specs",
 }
 
-main = build_main("pwsim", "PagedWeight simulator: replay traces against an MoE model, a GPU and a memory budget.", COMMANDS)
+main = build_main(
+    "pwsim", "PagedWeight simulator: replay traces against an MoE model, a GPU and a memory budget.", COMMANDS
+)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,23 +17,31 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         m = load_model(args.model)
         print(f"{m.name}: {m.source}")
-        print(f"  params {m.total_params() / 1e9:.2f} B; routed experts {m.num_experts_total} "
-              f"({m.num_moe_layers} MoE layers x {m.num_experts}, top-{m.top_k})")
+        print(
+            f"  params {m.total_params() / 1e9:.2f} B; routed experts {m.num_experts_total} "
+            f"({m.num_moe_layers} MoE layers x {m.num_experts}, top-{m.top_k})"
+        )
         print(f"  pinned (attention, embeddings, routers, shared/dense FFN) {m.pinned_bytes() / GiB:.2f} GiB")
         print(f"  KV cache {m.kv_bytes_per_token() / 1024:.1f} KiB per token ({m.attention})")
         _, n, k = m.expert_matrices[0]
         for p in PRECISIONS.values():
-            print(f"  {p.name:5s} {p.bits_per_weight(n, k):6.3f} bit/weight  expert {m.expert_bytes(p) / 2**20:9.2f} MiB"
-                  f"  all weights {m.weight_bytes(p) / GiB:8.2f} GiB")
+            print(
+                f"  {p.name:5s} {p.bits_per_weight(n, k):6.3f} bit/weight  expert {m.expert_bytes(p) / 2**20:9.2f} MiB"
+                f"  all weights {m.weight_bytes(p) / GiB:8.2f} GiB"
+            )
         return 0
     print("models:")
     for name in list_models():
         m = load_model(name)
-        print(f"  {name:20s} {m.total_params() / 1e9:8.2f} B params  {m.num_experts_total:6d} experts  "
-              f"bf16 {m.weight_bytes('bf16') / GiB:8.2f} GiB  int4 {m.weight_bytes('int4') / GiB:7.2f} GiB")
+        print(
+            f"  {name:20s} {m.total_params() / 1e9:8.2f} B params  {m.num_experts_total:6d} experts  "
+            f"bf16 {m.weight_bytes('bf16') / GiB:8.2f} GiB  int4 {m.weight_bytes('int4') / GiB:7.2f} GiB"
+        )
     print("gpus:")
     for name in list_gpus():
         g = load_gpu(name)
-        print(f"  {name:10s} {g.hbm_bytes / GiB:7.1f} GiB  {g.hbm_bandwidth_bytes_per_s / 1e12:5.2f} TB/s  "
-              f"h2d {g.h2d_bandwidth_bytes_per_s / 1e9:5.1f} GB/s")
+        print(
+            f"  {name:10s} {g.hbm_bytes / GiB:7.1f} GiB  {g.hbm_bandwidth_bytes_per_s / 1e12:5.2f} TB/s  "
+            f"h2d {g.h2d_bandwidth_bytes_per_s / 1e9:5.1f} GB/s"
+        )
     return 0
