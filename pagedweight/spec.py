@@ -86,6 +86,10 @@ _PRECISION_LIST = (
     Precision(name="int2", weight_bits=2, group_size=64, scale_bits=16, zero_bits=8, rank=10),
 )
 PRECISIONS: dict[str, Precision] = {p.name: p for p in _PRECISION_LIST}
+# Compact codes for per-expert precision maps: ``precision_ids[layer, expert]`` (int8) indexes
+# ``PRECISION_NAMES``. Runtimes and tables use these arrays instead of strings on hot paths.
+PRECISION_NAMES: tuple[str, ...] = tuple(PRECISIONS)
+PRECISION_ID: dict[str, int] = {name: i for i, name in enumerate(PRECISION_NAMES)}
 # The ladder the controller walks by default: most to least precise, one format per rank.
 DEFAULT_LADDER: tuple[str, ...] = ("bf16", "fp8", "int8", "int4")
 
