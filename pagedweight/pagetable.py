@@ -1,0 +1,105 @@
+"""The expert page table: each routed expert's current precision and the pages that hold it.
+
+A precision change is a page-table edit, not a data reshuffle: fill new pages (owned by
+``OWNER_TRANSITION`` while in flight), flip the entry, free the old pages. Until the flip the
+old pages keep serving, so a forward pass never reads a half-written expert. Both runtimes use
+this table: ``pwgpu`` also writes bytes into the pages, ``pwsim`` only times the transfer.
+
+Experts are indexed flat: ``index = moe_layer * num_experts + expert``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedweight.errors import PoolError
+from pagedweight.pool import OWNER_TRANSITION, PagePool, weight_owner
+from pagedweight.spec import PRECISION_NAMES, PRECISIONS, ModelSpec
+
+
+@dataclass(slots=True)
+class Transition:
+    expert: int
+    from_id: int
+    to_id: int
+    pages: np.ndarray  # new pages, owned by OWNER_TRANSITION until commit
+    num_bytes: int  # bytes of the expert at the new precision
+
+    @property
+    def is_upgrade(self) -> bool:
+        return PRECISIONS[PRECISION_NAMES[self.to_id]].rank > PRECISIONS[PRECISION_NAMES[self.from_id]].rank
+
+
+class ExpertPageTable:
+    def __init__(self, pool: PagePool, model: ModelSpec, initial_ids: np.ndarray):
+        initial_ids = np.asarray(initial_ids, dtype=np.int8).reshape(-1)
+        if len(initial_ids) != model.num_experts_total:
+            raise PoolError(f"initial precisions for {len(initial_ids)} experts; model has {model.num_experts_total}")
+        self.pool = pool
+        self.model = model
+        # Pages per expert at each precision id: the three matrices are paged separately so a
+        # kernel can address each through its own entries.
+        self.pages_by_id = np.array(
+            [
+                sum(pool.pages_for_bytes(PRECISIONS[name].matrix_bytes(n, k)) for _, n, k in model.expert_matrices)
+                for name in PRECISION_NAMES
+            ],
+            dtype=np.int64,
+        )
+        self.bytes_by_id = np.array([model.expert_bytes(name) for name in PRECISION_NAMES], dtype=np.int64)
+        self.precision_ids = initial_ids.copy()
+        self.pages: list[np.ndarray] = []
+        for pid in initial_ids.tolist():
+            self.pages.append(pool.alloc(weight_owner(pid), int(self.pages_by_id[pid])))
+        self.in_flight: dict[int, Transition] = {}
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.precision_ids)
+
+    def weight_pages(self) -> int:
+        return int(self.pages_by_id[self.precision_ids].sum())
+
+    def pages_delta(self, expert: int, to_id: int) -> int:
+        """Pages freed (negative: taken) once a change of ``expert`` to ``to_id`` commits."""
+        return int(self.pages_by_id[self.precision_ids[expert]] - self.pages_by_id[to_id])
+
+    def begin(self, expert: int, to_id: int) -> Transition:
+        """Reserve the new pages of a change. Raises ``PoolExhausted`` if the pool is short."""
+        if expert in self.in_flight:
+            raise PoolError(f"expert {expert} already has a change in flight")
+        from_id = int(self.precision_ids[expert])
+        if from_id == to_id:
+            raise PoolError(f"expert {expert} is already at {PRECISION_NAMES[to_id]}")
+        pages = self.pool.alloc(OWNER_TRANSITION, int(self.pages_by_id[to_id]))
+        t = Transition(expert, from_id, to_id, pages, int(self.bytes_by_id[to_id]))
+        self.in_flight[expert] = t
+        return t
+
+    def commit(self, expert: int) -> Transition:
+        """Flip the entry to the new pages and free the old ones."""
+        t = self.in_flight.pop(expert)
+        self.pool.free(self.pages[expert], weight_owner(t.from_id))
+        self.pool.transfer(t.pages, OWNER_TRANSITION, weight_owner(t.to_id))
+        self.pages[expert] = t.pages
+        self.precision_ids[expert] = t.to_id
+        return t
+
+    def abort(self, expert: int) -> None:
+        t = self.in_flight.pop(expert)
+        self.pool.free(t.pages, OWNER_TRANSITION)
+
+    def check(self) -> None:
+        owned = sum(len(p) for p in self.pages)
+        if owned != self.pool.num_weight_pages():
+            raise PoolError(f"page table holds {owned} weight pages; pool counts {self.pool.num_weight_pages()}")
+        for e, pages in enumerate(self.pages):
+            want = weight_owner(int(self.precision_ids[e]))
+            if len(pages) != self.pages_by_id[self.precision_ids[e]] or any(
+                self.pool.owner_of(int(p)) != want for p in pages
+            ):
+                raise PoolError(
+                    f"expert {e}: pages do not match its precision {PRECISION_NAMES[self.precision_ids[e]]}"
+                )

@@ -1,0 +1,256 @@
+"""The unified page pool: KV blocks and expert weight pages draw from one budget.
+
+At start the engine takes one arena of ``total_bytes`` and cuts it into fixed pages. Every page
+has exactly one owner at any time; owners are small integer codes so that the accounting is a
+numpy array, cheap enough to check on every step of a property test:
+
+- ``OWNER_FREE``: not in use.
+- ``OWNER_KV``: carved into KV blocks by ``KvBlockAllocator``.
+- ``OWNER_PINNED``: weights that never change precision (attention, embeddings, routers,
+  shared experts, dense layers).
+- ``OWNER_TRANSITION``: pages being filled for a precision change that has not completed.
+- ``weight_owner(precision_id)``: routed-expert weights at that precision.
+
+A page freed by a downgrade is immediately a page the KV allocator can take on the next step:
+that is the whole point of one pool rather than two.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pagedweight.errors import PoolError, PoolExhausted
+from pagedweight.spec import PRECISION_NAMES
+
+MiB = 2**20
+DEFAULT_PAGE_BYTES = 2 * MiB
+
+OWNER_FREE = 0
+OWNER_KV = 1
+OWNER_PINNED = 2
+OWNER_TRANSITION = 3
+_WEIGHT_BASE = 8
+NUM_OWNERS = _WEIGHT_BASE + len(PRECISION_NAMES)
+
+
+def weight_owner(precision_id: int) -> int:
+    """Owner code of routed-expert pages stored at ``PRECISION_NAMES[precision_id]``."""
+    return _WEIGHT_BASE + precision_id
+
+
+def owner_name(owner: int) -> str:
+    if owner >= _WEIGHT_BASE:
+        return f"weight:{PRECISION_NAMES[owner - _WEIGHT_BASE]}"
+    return {OWNER_FREE: "free", OWNER_KV: "kv", OWNER_PINNED: "pinned", OWNER_TRANSITION: "transition"}[owner]
+
+
+class PagePool:
+    """Fixed-size pages with one owner each. Never over budget, no double free, no leak."""
+
+    def __init__(self, total_bytes: int, page_bytes: int = DEFAULT_PAGE_BYTES):
+        if page_bytes <= 0:
+            raise PoolError(f"page_bytes(={page_bytes}) must be > 0")
+        if total_bytes < page_bytes:
+            raise PoolError(f"total_bytes(={total_bytes}) must hold at least one page of {page_bytes} bytes")
+        self.page_bytes = page_bytes
+        self.num_pages = total_bytes // page_bytes
+        self.total_bytes = self.num_pages * page_bytes
+        self._owner_of = np.zeros(self.num_pages, dtype=np.int16)
+        self._count = np.zeros(NUM_OWNERS, dtype=np.int64)
+        self._count[OWNER_FREE] = self.num_pages
+        # Free pages as a stack; the low page ids are handed out first (top of the stack).
+        self._free_stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
+        self._num_free = self.num_pages
+
+    # ---- queries --------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def num_owned(self, owner: int) -> int:
+        return int(self._count[owner])
+
+    def num_weight_pages(self) -> int:
+        return int(self._count[_WEIGHT_BASE:].sum())
+
+    def usage(self) -> dict[str, int]:
+        """Pages per owner name, free included; sums to ``num_pages``."""
+        return {owner_name(o): int(c) for o, c in enumerate(self._count) if c or o <= OWNER_TRANSITION}
+
+    def pages_for_bytes(self, num_bytes: int) -> int:
+        return math.ceil(num_bytes / self.page_bytes)
+
+    def owner_of(self, page: int) -> int:
+        return int(self._owner_of[page])
+
+    # ---- changes --------------------------------------------------------------------------
+    def alloc(self, owner: int, num_pages: int) -> np.ndarray:
+        """Take ``num_pages`` free pages for ``owner``; raises ``PoolExhausted`` if too few."""
+        if owner == OWNER_FREE or not 0 < owner < NUM_OWNERS:
+            raise PoolError(f"cannot allocate for owner {owner}")
+        if num_pages < 0:
+            raise PoolError(f"num_pages(={num_pages}) must be >= 0")
+        if num_pages > self._num_free:
+            raise PoolExhausted(
+                f"{owner_name(owner)} asked for {num_pages} pages; only {self._num_free} of {self.num_pages} free"
+            )
+        start = self._num_free - num_pages
+        pages = self._free_stack[start : self._num_free][::-1].copy()
+        self._num_free = start
+        self._owner_of[pages] = owner
+        self._count[owner] += num_pages
+        self._count[OWNER_FREE] -= num_pages
+        return pages
+
+    def free(self, pages: np.ndarray | list[int], owner: int) -> None:
+        """Return ``pages`` held by ``owner``. A page not held by ``owner`` (already free,
+        someone else's, or listed twice) is an error and nothing is freed."""
+        pages = self._checked(pages, owner)
+        n = len(pages)
+        self._owner_of[pages] = OWNER_FREE
+        self._free_stack[self._num_free : self._num_free + n] = pages[::-1]
+        self._num_free += n
+        self._count[owner] -= n
+        self._count[OWNER_FREE] += n
+
+    def transfer(self, pages: np.ndarray | list[int], from_owner: int, to_owner: int) -> None:
+        """Hand pages from one owner to another without freeing them (e.g. a completed
+        transition becomes the expert's weight pages)."""
+        if to_owner == OWNER_FREE:
+            raise PoolError("use free() to release pages")
+        pages = self._checked(pages, from_owner)
+        self._owner_of[pages] = to_owner
+        self._count[from_owner] -= len(pages)
+        self._count[to_owner] += len(pages)
+
+    def _checked(self, pages: np.ndarray | list[int], owner: int) -> np.ndarray:
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.ndim != 1:
+            raise PoolError("pages must be a 1-D list of page ids")
+        if len(pages) == 0:
+            return pages
+        if pages.min() < 0 or pages.max() >= self.num_pages:
+            raise PoolError(f"page ids must be in [0, {self.num_pages}); got {pages.min()}..{pages.max()}")
+        held = self._owner_of[pages]
+        if (held != owner).any():
+            bad = int(pages[np.argmax(held != owner)])
+            raise PoolError(
+                f"page {bad} is owned by {owner_name(int(self._owner_of[bad]))}, not {owner_name(owner)} "
+                "(double free or wrong owner)"
+            )
+        if len(pages) > 1 and len(np.unique(pages)) != len(pages):
+            raise PoolError("a page is listed twice in one call (double free)")
+        return pages
+
+    # ---- invariants -----------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise ``PoolError`` if any invariant is broken: counts match the owner array, the
+        free stack holds exactly the free pages, and nothing is over budget."""
+        counts = np.bincount(self._owner_of, minlength=NUM_OWNERS)
+        if not np.array_equal(counts, self._count):
+            raise PoolError(f"owner counts {self._count.tolist()} disagree with pages {counts.tolist()}")
+        free = self._free_stack[: self._num_free]
+        if len(np.unique(free)) != self._num_free or (self._owner_of[free] != OWNER_FREE).any():
+            raise PoolError("free stack does not hold exactly the free pages")
+        if self._num_free != counts[OWNER_FREE] or self._count.sum() != self.num_pages:
+            raise PoolError("pages were created or lost")
+
+
+class KvBlockAllocator:
+    """KV blocks of ``block_tokens`` tokens carved from pool pages, several per page.
+
+    Block id = page * blocks_per_page + slot, so a runtime finds a block's bytes at
+    ``page * page_bytes + slot * block_bytes`` in the arena. A page goes back to the pool as
+    soon as its last block is freed, so KV never sits on pages a downgrade could reuse.
+    New blocks come from partly used pages first, which keeps fragmentation low.
+    """
+
+    def __init__(self, pool: PagePool, block_tokens: int, kv_bytes_per_token: int):
+        self.pool = pool
+        self.block_tokens = block_tokens
+        self.block_bytes = block_tokens * kv_bytes_per_token
+        if self.block_bytes > pool.page_bytes:
+            raise PoolError(
+                f"a KV block of {block_tokens} tokens x {kv_bytes_per_token} B = {self.block_bytes} B "
+                f"does not fit in a {pool.page_bytes} B page; use fewer tokens per block or larger pages"
+            )
+        self.blocks_per_page = pool.page_bytes // self.block_bytes
+        self._used_in_page = np.zeros(pool.num_pages, dtype=np.int32)
+        self._free_slots: dict[int, list[int]] = {}  # partly used KV page -> free block ids
+        self._num_free_in_pages = 0
+        self.num_used_blocks = 0
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_tokens)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks available now: free slots in KV pages plus whole free pages of the pool."""
+        return self._num_free_in_pages + self.pool.num_free * self.blocks_per_page
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free_blocks
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        if num_blocks > self.num_free_blocks:
+            raise PoolExhausted(f"asked for {num_blocks} KV blocks; {self.num_free_blocks} free")
+        out: list[int] = []
+        while len(out) < num_blocks and self._free_slots:
+            page, slots = next(iter(self._free_slots.items()))
+            take = min(num_blocks - len(out), len(slots))
+            out.extend(slots[len(slots) - take :])
+            del slots[len(slots) - take :]
+            self._used_in_page[page] += take
+            self._num_free_in_pages -= take
+            if not slots:
+                del self._free_slots[page]
+        missing = num_blocks - len(out)
+        if missing:
+            bpp = self.blocks_per_page
+            pages = self.pool.alloc(OWNER_KV, -(-missing // bpp))
+            for page in pages.tolist():
+                take = min(missing, bpp)
+                base = page * bpp
+                out.extend(range(base, base + take))
+                self._used_in_page[page] = take
+                if take < bpp:
+                    self._free_slots[page] = list(range(base + bpp - 1, base + take - 1, -1))
+                    self._num_free_in_pages += bpp - take
+                missing -= take
+        self.num_used_blocks += num_blocks
+        return out
+
+    def free(self, block_ids: list[int]) -> None:
+        bpp = self.blocks_per_page
+        released: list[int] = []
+        for block in block_ids:
+            page = block // bpp
+            if self.pool._owner_of[page] != OWNER_KV or self._used_in_page[page] <= 0:
+                raise PoolError(f"KV block {block} is not allocated (double free?)")
+            self._used_in_page[page] -= 1
+            if self._used_in_page[page] == 0:
+                if page in self._free_slots:
+                    self._num_free_in_pages -= len(self._free_slots.pop(page))
+                released.append(page)
+            else:
+                slots = self._free_slots.setdefault(page, [])
+                slots.append(block)
+                self._num_free_in_pages += 1
+        self.num_used_blocks -= len(block_ids)
+        if released:
+            self.pool.free(released, OWNER_KV)
+
+    def check(self) -> None:
+        """Invariants: used + free slots = blocks of the KV pages; every KV page has a use."""
+        kv_pages = self.pool.num_owned(OWNER_KV)
+        if self.num_used_blocks + self._num_free_in_pages != kv_pages * self.blocks_per_page:
+            raise PoolError(
+                f"KV blocks: {self.num_used_blocks} used + {self._num_free_in_pages} free "
+                f"!= {kv_pages} pages x {self.blocks_per_page}"
+            )
+        if int(self._used_in_page.sum()) != self.num_used_blocks:
+            raise PoolError("per-page block counts disagree with the used-block total")
+        if sum(len(s) for s in self._free_slots.values()) != self._num_free_in_pages:
+            raise PoolError("free-slot lists disagree with their count")

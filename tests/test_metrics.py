@@ -1,0 +1,66 @@
+"""Summary figures checked by hand on a scripted run."""
+
+import math
+
+import numpy as np
+import pytest
+
+from pagedweight.metrics import REQUEST_COLUMNS, Slo, StepRecorder, request_rows, summarize
+from pagedweight.pool import OWNER_KV, KvBlockAllocator, PagePool, weight_owner
+from pagedweight.scheduler import FINISHED, REJECTED, Request
+
+
+def finished(rid, arrival, token_times, prompt=10):
+    r = Request(rid, arrival, prompt, len(token_times))
+    r.state = FINISHED
+    r.first_scheduled_s = arrival
+    r.num_output_tokens = len(token_times)
+    r.token_times_s.extend(token_times)
+    r.first_token_s = token_times[0]
+    r.finish_s = token_times[-1]
+    return r
+
+
+def test_summary_by_hand():
+    a = finished(0, 0.0, [0.5, 0.6, 0.7])  # ttft 500, e2el 700, tpot 100
+    b = finished(1, 1.0, [1.2, 1.6])  # ttft 200, e2el 600, tpot 400
+    c = Request(2, 1.5, 99, 1)
+    c.state, c.reject_reason = REJECTED, "too long"
+    s = summarize([a, b, c], Slo(ttft_ms=300))
+    assert s["completed"] == 2 and s["rejected"] == 1 and s["unfinished"] == 0
+    assert s["duration_s"] == pytest.approx(1.6)
+    assert s["request_throughput"] == pytest.approx(2 / 1.6)
+    assert s["output_throughput"] == pytest.approx(5 / 1.6)
+    assert s["total_token_throughput"] == pytest.approx(25 / 1.6)
+    assert s["mean_ttft_ms"] == pytest.approx(350) and s["median_ttft_ms"] == pytest.approx(350)
+    assert s["mean_tpot_ms"] == pytest.approx(250) and s["mean_e2el_ms"] == pytest.approx(650)
+    assert s["mean_itl_ms"] == pytest.approx((100 + 100 + 400) / 3)
+    assert s["p99_itl_ms"] == pytest.approx(np.percentile([100, 100, 400], 99))
+    assert s["request_goodput"] == pytest.approx(1 / 1.6)  # only b meets TTFT <= 300 ms
+
+
+def test_single_token_requests_have_no_tpot():
+    s = summarize([finished(0, 0.0, [0.1])])
+    assert math.isnan(s["mean_tpot_ms"]) and s["mean_ttft_ms"] == pytest.approx(100)
+
+
+def test_request_rows_have_every_column():
+    rows = request_rows([finished(0, 0.0, [0.5, 0.6])])
+    assert tuple(rows[0]) == REQUEST_COLUMNS and rows[0]["tpot_ms"] == pytest.approx(100)
+
+
+def test_step_recorder_reads_the_pool():
+    pool = PagePool(10 * 4096, 4096)
+    kv = KvBlockAllocator(pool, 1, 1024)
+    kv.allocate(5)  # two pages of KV
+    pool.alloc(weight_owner(4), 3)
+    rec = StepRecorder()
+    rec.record(
+        start_s=0.0, duration_s=0.02, num_running=1, num_waiting=0, num_prefill_tokens=5, num_decodes=0,
+        num_preempted=0, kv_blocks_used=kv.num_used_blocks, kv_blocks_free=kv.num_free_blocks, pool=pool,
+    )  # fmt: skip
+    cols = rec.columns()
+    assert set(cols) == set(StepRecorder.COLUMNS)
+    assert cols["kv_pages"][0] == pool.num_owned(OWNER_KV) == 2
+    assert cols["weight_pages_int4"][0] == 3 and cols["free_pages"][0] == 5
+    assert cols["kv_usage"][0] == pytest.approx(5 / (5 + 3 + 5 * 4))

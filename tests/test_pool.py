@@ -1,0 +1,130 @@
+"""The unified page pool and the KV block allocator: invariants under random use."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedweight.errors import PoolError, PoolExhausted
+from pagedweight.pool import (
+    OWNER_FREE,
+    OWNER_KV,
+    OWNER_PINNED,
+    OWNER_TRANSITION,
+    KvBlockAllocator,
+    PagePool,
+    owner_name,
+    weight_owner,
+)
+from pagedweight.spec import PRECISION_ID
+
+
+def test_pages_are_cut_from_the_budget():
+    pool = PagePool(total_bytes=10 * 2**20 + 5, page_bytes=2**20)
+    assert pool.num_pages == 10 and pool.total_bytes == 10 * 2**20
+    assert pool.usage() == {"free": 10, "kv": 0, "pinned": 0, "transition": 0}
+
+
+def test_alloc_free_transfer_account_by_owner():
+    pool = PagePool(8 * 4096, page_bytes=4096)
+    w = weight_owner(PRECISION_ID["int4"])
+    a = pool.alloc(OWNER_PINNED, 2)
+    b = pool.alloc(OWNER_TRANSITION, 3)
+    pool.transfer(b, OWNER_TRANSITION, w)
+    assert pool.usage() == {"free": 3, "kv": 0, "pinned": 2, "transition": 0, "weight:int4": 3}
+    assert owner_name(w) == "weight:int4"
+    pool.free(a, OWNER_PINNED)
+    assert pool.num_free == 5
+    pool.check()
+
+
+def test_over_budget_is_refused_and_changes_nothing():
+    pool = PagePool(4 * 4096, page_bytes=4096)
+    pool.alloc(OWNER_KV, 3)
+    with pytest.raises(PoolExhausted, match="only 1 of 4 free"):
+        pool.alloc(OWNER_PINNED, 2)
+    assert pool.num_free == 1
+    pool.check()
+
+
+@pytest.mark.parametrize(
+    "misuse, message",
+    [
+        (lambda p, pages: p.free(pages, OWNER_KV) or p.free(pages, OWNER_KV), "double free"),
+        (lambda p, pages: p.free(pages, OWNER_PINNED), "owned by kv, not pinned"),
+        (lambda p, pages: p.free([pages[0], pages[0]], OWNER_KV), "listed twice"),
+        (lambda p, pages: p.free([99], OWNER_KV), r"must be in \[0, 4\)"),
+        (lambda p, pages: p.alloc(OWNER_FREE, 1), "cannot allocate"),
+        (lambda p, pages: p.transfer(pages, OWNER_KV, OWNER_FREE), "use free"),
+    ],
+)
+def test_misuse_gets_a_clear_error(misuse, message):
+    pool = PagePool(4 * 4096, page_bytes=4096)
+    pages = pool.alloc(OWNER_KV, 2)
+    with pytest.raises(PoolError, match=message):
+        misuse(pool, pages)
+    pool.check()
+
+
+def test_kv_block_that_does_not_fit_a_page_is_refused():
+    pool = PagePool(4 * 4096, page_bytes=4096)
+    with pytest.raises(PoolError, match="does not fit"):
+        KvBlockAllocator(pool, block_tokens=16, kv_bytes_per_token=512)
+
+
+def test_kv_pages_return_to_the_pool_when_their_last_block_is_freed():
+    pool = PagePool(4 * 4096, page_bytes=4096)
+    kv = KvBlockAllocator(pool, block_tokens=4, kv_bytes_per_token=256)  # 1 KiB blocks, 4 per page
+    a = kv.allocate(3)
+    b = kv.allocate(3)  # fills the first page, opens a second
+    assert pool.num_owned(OWNER_KV) == 2 and kv.num_free_blocks == 2 + 2 * 4
+    kv.free(b)
+    kv.free(a)
+    assert pool.num_owned(OWNER_KV) == 0 and pool.num_free == 4
+    with pytest.raises(PoolError, match="not allocated"):
+        kv.free(a[:1])
+    kv.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_pages=st.integers(1, 40),
+    blocks_per_page=st.integers(1, 5),
+    ops=st.lists(st.tuples(st.sampled_from(["kv", "kvfree", "w", "wfree", "flip"]), st.integers(1, 6)), max_size=200),
+)
+def test_random_use_keeps_every_invariant(num_pages, blocks_per_page, ops):
+    page = 1024
+    pool = PagePool(num_pages * page, page_bytes=page)
+    kv = KvBlockAllocator(pool, block_tokens=1, kv_bytes_per_token=page // blocks_per_page)
+    kv_held: list[list[int]] = []
+    w_held: list[tuple[int, np.ndarray]] = []
+    for op, n in ops:
+        try:
+            if op == "kv":
+                kv_held.append(kv.allocate(n))
+            elif op == "kvfree" and kv_held:
+                kv.free(kv_held.pop(n % len(kv_held)))
+            elif op == "w":
+                owner = weight_owner(n % 4)
+                w_held.append((owner, pool.alloc(owner, n)))
+            elif op == "wfree" and w_held:
+                owner, pages = w_held.pop(n % len(w_held))
+                pool.free(pages, owner)
+            elif op == "flip" and w_held:
+                owner, pages = w_held.pop(n % len(w_held))
+                new = pool.alloc(OWNER_TRANSITION, max(1, len(pages) // 2))
+                pool.free(pages, owner)
+                pool.transfer(new, OWNER_TRANSITION, weight_owner(3))
+                w_held.append((weight_owner(3), new))
+        except PoolExhausted:
+            pass
+        pool.check()
+        kv.check()
+        all_kv = [b for blocks in kv_held for b in blocks]
+        assert len(all_kv) == len(set(all_kv)) == kv.num_used_blocks
+        assert sum(len(p) for _, p in w_held) == pool.num_weight_pages()
+    for blocks in kv_held:
+        kv.free(blocks)
+    for owner, pages in w_held:
+        pool.free(pages, owner)
+    assert pool.num_free == pool.num_pages  # no leak
