@@ -32,6 +32,18 @@ class Transition:
         return PRECISIONS[PRECISION_NAMES[self.to_id]].rank > PRECISIONS[PRECISION_NAMES[self.from_id]].rank
 
 
+def expert_pages_by_id(model: ModelSpec, page_bytes: int) -> np.ndarray:
+    """Pages one expert occupies at each precision id. The three matrices are paged separately
+    so that a kernel can address each through its own entries."""
+    return np.array(
+        [
+            sum(-(-PRECISIONS[name].matrix_bytes(n, k) // page_bytes) for _, n, k in model.expert_matrices)
+            for name in PRECISION_NAMES
+        ],
+        dtype=np.int64,
+    )
+
+
 class ExpertPageTable:
     def __init__(self, pool: PagePool, model: ModelSpec, initial_ids: np.ndarray):
         initial_ids = np.asarray(initial_ids, dtype=np.int8).reshape(-1)
@@ -39,15 +51,7 @@ class ExpertPageTable:
             raise PoolError(f"initial precisions for {len(initial_ids)} experts; model has {model.num_experts_total}")
         self.pool = pool
         self.model = model
-        # Pages per expert at each precision id: the three matrices are paged separately so a
-        # kernel can address each through its own entries.
-        self.pages_by_id = np.array(
-            [
-                sum(pool.pages_for_bytes(PRECISIONS[name].matrix_bytes(n, k)) for _, n, k in model.expert_matrices)
-                for name in PRECISION_NAMES
-            ],
-            dtype=np.int64,
-        )
+        self.pages_by_id = expert_pages_by_id(model, pool.page_bytes)
         self.bytes_by_id = np.array([model.expert_bytes(name) for name in PRECISION_NAMES], dtype=np.int64)
         self.precision_ids = initial_ids.copy()
         self.pages: list[np.ndarray] = []

@@ -9,9 +9,23 @@
 | kv-swap        | full precision; KV of preempted requests swapped to host over PCIe (runtime)  |
 | paper-greedy   | the paper's dynamic scheme: re-plan with ``paper-greedy`` on every KV change  |
 | pagedweight    | per-precision losses, marginal knapsack, KV forecast, hysteresis, copy budget |
+
+``setup_policy`` says, for a policy, the precision every expert starts at, the lowest the
+policy will ever go (which bounds the KV a request can get), which controller runs and how the
+scheduler preempts. Both runtimes call it; neither has its own idea of a policy.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedweight.allocate import Problem
+from pagedweight.allocate_hull import MarginalPlanner
+from pagedweight.errors import PagedWeightError
+from pagedweight.importance import ImportanceTable
+from pagedweight.spec import PRECISION_ID
 
 POLICY_NAMES: tuple[str, ...] = (
     "static-fp16",
@@ -22,3 +36,67 @@ POLICY_NAMES: tuple[str, ...] = (
     "paper-greedy",
     "pagedweight",
 )
+DYNAMIC_POLICIES = ("paper-greedy", "pagedweight")
+
+
+class PolicyInfeasible(PagedWeightError):
+    """The policy cannot run in this budget (e.g. static-fp16 weights alone exceed it)."""
+
+
+@dataclass(frozen=True, eq=False)
+class PolicySetup:
+    name: str
+    initial_ids: np.ndarray  # (N,) int8 PRECISION_ID per expert at start
+    floor_ids: np.ndarray  # (N,) int8: the lowest precisions the policy may reach
+    controller_mode: str | None  # "pagedweight", "paper-greedy" or None (static)
+    preemption_mode: str  # "recompute" or "swap"
+
+
+def setup_policy(
+    name: str,
+    table: ImportanceTable,
+    pages_by_id: np.ndarray,
+    page_bytes: int,
+    expert_room_pages: int,
+    static_mixed_fraction: float = 0.5,
+) -> PolicySetup:
+    """``expert_room_pages``: pool pages left for routed experts and KV once pinned weights
+    (and the downgrade headroom of dynamic policies) are taken. A policy needs its experts
+    plus at least one KV page in that room, or it is infeasible."""
+    if name not in POLICY_NAMES:
+        raise PagedWeightError(f"unknown policy {name!r}; allowed: {', '.join(POLICY_NAMES)}")
+    n = table.num_rows
+    top = table.ladder[0]
+    top_id = PRECISION_ID[top if top in ("bf16", "fp16") else "bf16"]
+    ladder_ids = np.array([PRECISION_ID[p] for p in table.ladder], dtype=np.int8)
+
+    def pages(ids: np.ndarray) -> int:
+        return int(pages_by_id[ids].sum())
+
+    def fixed(ids: np.ndarray, mode: str = "recompute") -> PolicySetup:
+        need = pages(ids)
+        if need + 1 > expert_room_pages:
+            raise PolicyInfeasible(
+                f"{name}: experts need {need * page_bytes / 2**30:.2f} GiB but only "
+                f"{(expert_room_pages - 1) * page_bytes / 2**30:.2f} GiB is left after pinned weights and one KV page"
+            )
+        return PolicySetup(name, ids, ids, None, mode)
+
+    if name in ("static-fp16", "kv-swap"):
+        return fixed(np.full(n, top_id, dtype=np.int8), "swap" if name == "kv-swap" else "recompute")
+    if name in ("static-int8", "static-int4"):
+        return fixed(np.full(n, PRECISION_ID[name.removeprefix("static-")], dtype=np.int8))
+    paged = table.replace(bytes=np.broadcast_to(pages_by_id[ladder_ids] * page_bytes, table.bytes.shape).copy())
+    planner = MarginalPlanner(Problem.build(paged))
+    floor = np.full(n, ladder_ids[-1], dtype=np.int8)
+    if name == "static-mixed":
+        budget_bytes = int(static_mixed_fraction * pages(np.full(n, ladder_ids[0])) * page_bytes)
+        budget_bytes = max(budget_bytes, pages(floor) * page_bytes)
+        return fixed(planner.plan(budget_bytes).precision_ids.astype(np.int8))
+    if pages(floor) + 1 > expert_room_pages:
+        raise PolicyInfeasible(f"{name}: even every expert at {table.ladder[-1]} leaves no page for KV")
+    # Start at full precision if it leaves a tenth of the room for KV, else at the best plan
+    # that does; the controller moves from there.
+    start_pages = min(pages(np.full(n, ladder_ids[0])), max(pages(floor), int(0.9 * expert_room_pages)))
+    initial = planner.plan(start_pages * page_bytes).precision_ids.astype(np.int8)
+    return PolicySetup(name, initial, floor, name, "recompute")

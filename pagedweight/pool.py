@@ -181,6 +181,9 @@ class KvBlockAllocator:
         self._free_slots: dict[int, list[int]] = {}  # partly used KV page -> free block ids
         self._num_free_in_pages = 0
         self.num_used_blocks = 0
+        # Free pool pages KV may not take: headroom a downgrade needs for its new (smaller)
+        # pages before it frees the old ones. Set by the controller; 0 for static policies.
+        self.reserve_pages = 0
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_tokens)
@@ -188,7 +191,8 @@ class KvBlockAllocator:
     @property
     def num_free_blocks(self) -> int:
         """Blocks available now: free slots in KV pages plus whole free pages of the pool."""
-        return self._num_free_in_pages + self.pool.num_free * self.blocks_per_page
+        spare_pages = self.pool.num_free - self.reserve_pages
+        return self._num_free_in_pages + (spare_pages * self.blocks_per_page if spare_pages > 0 else 0)
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
@@ -196,6 +200,11 @@ class KvBlockAllocator:
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > self.num_free_blocks:
             raise PoolExhausted(f"asked for {num_blocks} KV blocks; {self.num_free_blocks} free")
+        if self.blocks_per_page == 1:  # one block per page (e.g. Mixtral: 16 x 128 KiB = 2 MiB)
+            pages = self.pool.alloc(OWNER_KV, num_blocks)
+            self._used_in_page[pages] = 1
+            self.num_used_blocks += num_blocks
+            return pages.tolist()
         out: list[int] = []
         while len(out) < num_blocks and self._free_slots:
             page, slots = next(iter(self._free_slots.items()))
@@ -224,6 +233,14 @@ class KvBlockAllocator:
 
     def free(self, block_ids: list[int]) -> None:
         bpp = self.blocks_per_page
+        if bpp == 1:
+            pages = np.asarray(block_ids, dtype=np.int64)
+            if len(pages) and (self._used_in_page[pages] != 1).any():
+                raise PoolError("a KV block is not allocated (double free?)")
+            self.pool.free(pages, OWNER_KV)  # checks ownership and duplicates
+            self._used_in_page[pages] = 0
+            self.num_used_blocks -= len(pages)
+            return
         released: list[int] = []
         for block in block_ids:
             page = block // bpp

@@ -36,11 +36,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     max_model_len: int = 32768  # prompt + output tokens of one request
+    # recompute: a preempted request's KV is dropped and recomputed on resume (vLLM's default).
+    # swap: its KV is copied to host memory and back (the ``kv-swap`` policy); the runtime
+    # times the copies from ``Batch.swapped_out_tokens`` / ``swapped_in_tokens``.
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}(={getattr(self, name)}) must be > 0")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode(={self.preemption_mode!r}) must be 'recompute' or 'swap'")
 
 
 class Request:
@@ -62,6 +68,7 @@ class Request:
         "num_preemptions",
         "reject_reason",
         "stop_early",
+        "swapped_tokens",
     )
 
     def __init__(self, request_id: int, arrival_s: float, prompt_tokens: int, max_output_tokens: int):
@@ -80,6 +87,7 @@ class Request:
         self.num_preemptions = 0
         self.reject_reason: str | None = None
         self.stop_early = False  # set by a real engine on EOS/stop string; the simulator never does
+        self.swapped_tokens = 0  # tokens of KV held in host memory while preempted (swap mode)
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +107,12 @@ class Batch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    swapped_out_tokens: int = 0  # KV tokens to copy device -> host before this step (swap mode)
+    swapped_in_tokens: int = 0  # KV tokens to copy host -> device before this step
+    # Filled while scheduling, so that shape() needs no second pass over the batch.
+    prefill_tokens: list[int] = field(default_factory=list)
+    prefill_kv_lens: list[int] = field(default_factory=list)
+    decode_kv_lens: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -108,18 +122,21 @@ class Batch:
         return sum(self.num_new_tokens)
 
     def shape(self) -> StepShape:
-        """The step's shape for the latency model; call it before ``finish_step``."""
-        pre_tok, pre_kv, dec_kv = [], [], []
-        for req, n in zip(self.requests, self.num_new_tokens, strict=True):
-            kv_len = req.num_computed_tokens + n
-            if n == 1 and kv_len == req.prompt_tokens + req.num_output_tokens:
-                dec_kv.append(kv_len)
-            else:
-                pre_tok.append(n)
-                pre_kv.append(kv_len)
+        """The step's shape for the latency model."""
         return StepShape(
-            np.array(pre_tok, dtype=np.int64), np.array(pre_kv, dtype=np.int64), np.array(dec_kv, dtype=np.int64)
+            np.array(self.prefill_tokens, dtype=np.int64),
+            np.array(self.prefill_kv_lens, dtype=np.int64),
+            np.array(self.decode_kv_lens, dtype=np.int64),
         )
+
+    def _add(self, req: Request, num_new: int, remaining: int) -> None:
+        self.requests.append(req)
+        self.num_new_tokens.append(num_new)
+        if remaining == 1:
+            self.decode_kv_lens.append(req.num_computed_tokens + 1)
+        else:
+            self.prefill_tokens.append(num_new)
+            self.prefill_kv_lens.append(req.num_computed_tokens + num_new)
 
 
 # A memory-pressure hook gets the number of KV blocks missing and may free pages (e.g. by
@@ -186,6 +203,9 @@ class Scheduler:
 
     def _preempt(self, req: Request, batch: Batch) -> None:
         self.running.remove(req)
+        if self.config.preemption_mode == "swap":
+            req.swapped_tokens = req.num_computed_tokens
+            batch.swapped_out_tokens += req.num_computed_tokens
         self.kv.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
@@ -199,16 +219,16 @@ class Scheduler:
         batch = Batch()
         budget = self.config.max_num_batched_tokens
         running, block_tokens = self.running, self.kv.block_tokens
-        out_reqs, out_tokens = batch.requests, batch.num_new_tokens
+        out_reqs, out_tokens, dec_kv = batch.requests, batch.num_new_tokens, batch.decode_kv_lens
         i = 0
         # The hot loop of both runtimes (~1 us per running request): most decodes still have
         # room in their last block, so the block check is inlined before calling _reserve.
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = req.prompt_tokens + req.num_output_tokens - req.num_computed_tokens
-            if num_new > budget:
-                num_new = budget
-            if req.num_computed_tokens + num_new > len(req.block_ids) * block_tokens:
+            computed = req.num_computed_tokens
+            remaining = req.prompt_tokens + req.num_output_tokens - computed
+            num_new = remaining if remaining <= budget else budget
+            if computed + num_new > len(req.block_ids) * block_tokens:
                 preempted_self = False
                 while not self._reserve(req, num_new):
                     victim = running[-1]  # newest first
@@ -218,8 +238,12 @@ class Scheduler:
                         break
                 if preempted_self:
                     break  # nothing older is left to preempt
-            out_reqs.append(req)
-            out_tokens.append(num_new)
+            if remaining == 1:  # a decode: the common case, inlined
+                out_reqs.append(req)
+                out_tokens.append(1)
+                dec_kv.append(computed + 1)
+            else:
+                batch._add(req, num_new, remaining)
             budget -= num_new
             i += 1
         # Victims are taken from the end of ``running``, beyond ``i``, so none of them is in
@@ -228,16 +252,22 @@ class Scheduler:
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            # A swapped-out request resumes where it stopped once its KV is copied back.
+            resume_at = req.swapped_tokens
+            num_new = min(req.num_tokens - resume_at, budget)
+            req.num_computed_tokens = resume_at
             if not self._reserve(req, num_new):
+                req.num_computed_tokens = 0
                 break
+            if resume_at:
+                batch.swapped_in_tokens += resume_at
+                req.swapped_tokens = 0
             self.waiting.popleft()
             req.state = RUNNING
             if req.first_scheduled_s is None:
                 req.first_scheduled_s = now_s
             self.running.append(req)
-            batch.requests.append(req)
-            batch.num_new_tokens.append(num_new)
+            batch._add(req, num_new, req.num_tokens - resume_at)
             budget -= num_new
         return batch
 
@@ -247,13 +277,15 @@ class Scheduler:
         for req, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
             computed = req.num_computed_tokens + num_new
             req.num_computed_tokens = computed
-            if computed < req.prompt_tokens + req.num_output_tokens:
+            outputs = req.num_output_tokens
+            if computed < req.prompt_tokens + outputs:
                 continue  # a prefill chunk that did not reach the last token
-            req.num_output_tokens += 1
+            outputs += 1
+            req.num_output_tokens = outputs
             req.token_times_s.append(end_s)
-            if req.first_token_s is None:
+            if outputs == 1:
                 req.first_token_s = end_s
-            if req.num_output_tokens >= req.max_output_tokens or req.stop_early:
+            if outputs >= req.max_output_tokens or req.stop_early:
                 req.state = FINISHED
                 req.finish_s = end_s
                 self.kv.free(req.block_ids)
@@ -282,9 +314,11 @@ class Scheduler:
         bt = self.kv.block_tokens
         need = 0
         for req in self.running:
+            target = req.prompt_tokens + req.num_output_tokens + horizon_steps
             final = req.prompt_tokens + req.max_output_tokens - 1
-            target = min(final, req.num_tokens + horizon_steps)
-            need += max(0, -(-target // bt) - len(req.block_ids))
+            extra = -(-(target if target < final else final) // bt) - len(req.block_ids)
+            if extra > 0:
+                need += extra
         room = self.config.max_num_seqs - len(self.running)
         for req in self.waiting:
             if room <= 0:

@@ -7,7 +7,11 @@ import sys
 from pagedweight.cli_util import build_main
 
 COMMANDS: dict[str, str] = {
+    "run": "pwsim.commands.run",
     "specs": "pwsim.commands.specs",
+    "allocate": "pwsim.commands.allocate",
+    "importance": "pwsim.commands.importance",
+    "trace": "pwsim.commands.trace",
 }
 
 main = build_main(

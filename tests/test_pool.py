@@ -111,8 +111,9 @@ def test_random_use_keeps_every_invariant(num_pages, blocks_per_page, ops):
                 owner, pages = w_held.pop(n % len(w_held))
                 pool.free(pages, owner)
             elif op == "flip" and w_held:
-                owner, pages = w_held.pop(n % len(w_held))
+                owner, pages = w_held[n % len(w_held)]
                 new = pool.alloc(OWNER_TRANSITION, max(1, len(pages) // 2))
+                w_held.pop(n % len(w_held))
                 pool.free(pages, owner)
                 pool.transfer(new, OWNER_TRANSITION, weight_owner(3))
                 w_held.append((weight_owner(3), new))

@@ -77,6 +77,23 @@ def test_preemption_is_newest_first_and_keeps_generated_tokens():
     assert old.num_output_tokens == new.num_output_tokens == 6 and kv.num_used_blocks == 0
 
 
+def test_swap_preemption_resumes_without_recompute():
+    _, kv, s = make(4, block_tokens=4, blocks_per_page=1, preemption_mode="swap")
+    old, new = Request(0, 0.0, 4, 6), Request(1, 0.1, 4, 6)
+    s.add(old), s.add(new)
+    now, swapped_out, swapped_in = 0.0, 0, 0
+    while s.has_work():
+        batch, _, _ = step(s, now)
+        swapped_out += batch.swapped_out_tokens
+        swapped_in += batch.swapped_in_tokens
+        if batch.swapped_in_tokens:
+            # resumed where it stopped: only the missing tokens are computed
+            assert new in batch.requests and batch.num_new_tokens[batch.requests.index(new)] == 1
+        now += 1
+    assert new.num_preemptions == 1 and swapped_out == swapped_in > 0
+    assert old.num_output_tokens == new.num_output_tokens == 6 and kv.num_used_blocks == 0
+
+
 def test_pressure_hook_is_asked_before_any_preemption():
     pool, kv, s = make(8, block_tokens=4, blocks_per_page=1)
     reserve = list(pool.alloc(OWNER_PINNED, 4))  # stands for expert pages a downgrade can free
@@ -108,9 +125,10 @@ def test_pressure_hook_is_asked_before_any_preemption():
     max_seqs=st.integers(1, 32),
     num_requests=st.integers(1, 80),
     with_hook=st.booleans(),
+    mode=st.sampled_from(["recompute", "swap"]),
 )
 def test_random_workloads_lose_nothing(
-    seed, num_pages, blocks_per_page, block_tokens, max_batched, max_seqs, num_requests, with_hook
+    seed, num_pages, blocks_per_page, block_tokens, max_batched, max_seqs, num_requests, with_hook, mode
 ):
     rng = np.random.default_rng(seed)
     pool, kv, s = make(
@@ -120,6 +138,7 @@ def test_random_workloads_lose_nothing(
         max_num_batched_tokens=max_batched,
         max_num_seqs=max_seqs,
         max_model_len=512,
+        preemption_mode=mode,
     )
     reserve = list(pool.alloc(OWNER_PINNED, num_pages // 4))
     if with_hook:

@@ -1,0 +1,243 @@
+"""The run-time precision controller: when and how far to move each expert's precision.
+
+Runs every engine step (``plan_step``) and inside the scheduler's memory-pressure hook
+(``on_pressure``), in both runtimes. It returns ``Change`` lists; the runtime applies them:
+downgrades at once (quantise into fresh pages, flip, free: bounded by HBM bandwidth, so the
+step that needs the pages waits for them), upgrades through the copy engine (host master ->
+device over PCIe, flipped only when complete), aborts by releasing an upgrade's new pages.
+
+Rules, per policy (``pagedweight.policy``):
+- Downgrades happen as soon as KV needs pages, before any preemption.
+- ``pagedweight``: the weight budget is the pool less pinned pages, KV held, the scheduler's
+  KV forecast over ``horizon_steps`` and a ``low_watermark`` of free pages. Below it: downgrade
+  to the ``marginal`` plan of the new budget (least loss per freed byte first). Upgrades only
+  while more than ``high_watermark`` of the pool is free after the forecast (hysteresis), under
+  a host-to-device byte budget (``copy_budget_bytes_per_s``, at most ``max_in_flight`` bytes in
+  flight), and never for an expert changed less than ``min_dwell_s`` ago.
+- ``paper-greedy``: the paper's scheme: every step, re-plan with ``paper-greedy`` for the memory
+  KV leaves right now and apply every difference, with no forecast, budget or hysteresis.
+- Static policies never change anything; ``kv-swap`` swaps KV instead (scheduler).
+The plan never exceeds the budget counting pages in flight: an expert with an upgrade in flight
+is pinned at its target and its old pages still count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedweight.allocate import Plan, Problem, paper_greedy
+from pagedweight.allocate_hull import MarginalPlanner
+from pagedweight.importance import ImportanceTable
+from pagedweight.pagetable import ExpertPageTable
+from pagedweight.pool import OWNER_KV, OWNER_PINNED, KvBlockAllocator
+from pagedweight.spec import PRECISION_ID, PRECISION_NAMES
+
+DOWNGRADE, UPGRADE, ABORT = "downgrade", "upgrade", "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    kind: str  # DOWNGRADE, UPGRADE or ABORT (of an upgrade in flight)
+    expert: int  # flat index: moe_layer * num_experts + expert
+    to_id: int  # PRECISION_ID code (for ABORT: the precision it keeps)
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    horizon_steps: int = 32
+    low_watermark: float = 0.02
+    high_watermark: float = 0.10
+    copy_budget_bytes_per_s: float = 16e9
+    max_in_flight_bytes: int = 2 * 2**30
+    min_dwell_s: float = 2.0
+    # Steps closer together than this share one plan (pressure is still handled at once by
+    # on_pressure). Planning every ~25 ms decode step cost a third of the simulator's time.
+    plan_interval_s: float = 0.05
+
+
+class Controller:
+    """Dynamic precision for one run. ``mode`` is ``pagedweight`` or ``paper-greedy``."""
+
+    def __init__(
+        self,
+        mode: str,
+        settings: ControllerSettings,
+        table: ImportanceTable,
+        page_table: ExpertPageTable,
+        kv: KvBlockAllocator,
+        forecast_blocks=None,
+    ):
+        if mode not in ("pagedweight", "paper-greedy"):
+            raise ValueError(f"mode(={mode!r}) must be 'pagedweight' or 'paper-greedy'")
+        self.mode = mode
+        self.settings = settings
+        self.page_table = page_table
+        self.pool = page_table.pool
+        self.kv = kv
+        self.forecast_blocks = forecast_blocks or (lambda horizon_steps: 0)
+        self.ladder_ids = np.array([PRECISION_ID[p] for p in table.ladder], dtype=np.int64)
+        # Allocate in pages, not bytes: what a plan costs is the pages its experts occupy.
+        page_bytes = self.pool.page_bytes
+        self.table = table.replace(
+            bytes=page_table.pages_by_id[self.ladder_ids][None, :].repeat(table.num_rows, 0) * page_bytes
+        )
+        self._problem = Problem.build(self.table)
+        self._planner = MarginalPlanner(self._problem) if mode == "pagedweight" else None
+        # Ladder level of each precision id (0 = most precise); ids outside the ladder count as
+        # the top level, which only matters for experts a static start put there.
+        self._level_of_id = np.zeros(len(PRECISION_NAMES), dtype=np.int64)
+        self._level_of_id[self.ladder_ids] = np.arange(len(self.ladder_ids))
+        self.last_change_s = np.full(page_table.num_experts, -np.inf)
+        self._copy_credit_bytes = float(settings.max_in_flight_bytes)
+        self._last_plan_s: float | None = None
+        self._planned_for: tuple[int, int] | None = None  # (room, weight pages) of the last upgrade plan
+
+    # ---- accounting -------------------------------------------------------------------------
+    def weight_pages(self) -> int:
+        """Pages held by routed experts, including upgrades in flight (old and new pages)."""
+        return self.pool.num_weight_pages() + sum(len(t.pages) for t in self.page_table.in_flight.values())
+
+    def _available_weight_pages(self, extra_kv_pages: int, headroom_pages: int) -> int:
+        pool = self.pool
+        kv_pages = pool.num_owned(OWNER_KV) + extra_kv_pages
+        return pool.num_pages - pool.num_owned(OWNER_PINNED) - kv_pages - headroom_pages - self.kv.reserve_pages
+
+    def _pins(self) -> np.ndarray | None:
+        if not self.page_table.in_flight:
+            return None
+        pins = np.full(self.page_table.num_experts, -1, dtype=np.int64)
+        for e, t in self.page_table.in_flight.items():
+            pins[e] = t.to_id
+        return pins
+
+    def _plan(self, budget_pages: int) -> Plan | None:
+        """The plan for a weight budget, or None if even the floor does not fit."""
+        budget_bytes = budget_pages * self.pool.page_bytes
+        in_flight = self.page_table.in_flight
+        if in_flight:
+            # Old pages of in-flight experts are still held: they come off the budget.
+            budget_bytes -= sum(len(self.page_table.pages[e]) for e in in_flight) * self.pool.page_bytes
+            problem = Problem.build(self.table, pinned=self._pins())
+        else:
+            problem = self._problem
+        if budget_bytes < int(problem.min_bytes.sum()):
+            return None
+        if self.mode == "paper-greedy":
+            return paper_greedy(problem, budget_bytes)
+        if in_flight:
+            return MarginalPlanner(problem).plan(budget_bytes)
+        return self._planner.plan(budget_bytes)
+
+    # ---- the two entry points ---------------------------------------------------------------
+    def on_pressure(self, blocks_short: int, now_s: float) -> list[Change]:
+        """KV is ``blocks_short`` blocks short right now: free pages before anyone is preempted.
+        Upgrades in flight are abandoned first (their new pages come back at once)."""
+        need_pages = -(-blocks_short // self.kv.blocks_per_page)
+        in_flight_pages = sum(len(t.pages) for t in self.page_table.in_flight.values())
+        margin = int(self.settings.low_watermark * self.pool.num_pages) if self.mode == "pagedweight" else 0
+        budget = self.pool.num_weight_pages() - max(0, need_pages - in_flight_pages)
+        changes = self._shrink_to(budget - margin, fallback_pages=budget)
+        self._mark(changes, now_s)
+        return changes
+
+    def plan_step(self, now_s: float) -> list[Change]:
+        """Once per step: downgrade ahead of forecast KV growth, upgrade when memory allows."""
+        s = self.settings
+        if self._last_plan_s is not None and now_s - self._last_plan_s < s.plan_interval_s:
+            return []
+        dt = 0.0 if self._last_plan_s is None else now_s - self._last_plan_s
+        self._last_plan_s = now_s
+        credit = min(s.max_in_flight_bytes, self._copy_credit_bytes + dt * s.copy_budget_bytes_per_s)
+        # Re-planning upgrades costs a solve; redo it only when memory or the copy budget moved.
+        self._credit_grew = credit > self._copy_credit_bytes
+        self._copy_credit_bytes = credit
+        if self.mode == "paper-greedy":
+            room = self._available_weight_pages(0, 0)
+            if room < self.weight_pages():
+                changes = self._shrink_to(room)
+            else:
+                plan = self._plan(room)
+                changes = self._upgrades_to(plan, now_s, budgeted=False) if plan is not None else []
+            self._mark(changes, now_s)
+            return changes
+        forecast_pages = -(-self.forecast_blocks(s.horizon_steps) // self.kv.blocks_per_page)
+        low = int(s.low_watermark * self.pool.num_pages)
+        high = int(s.high_watermark * self.pool.num_pages)
+        room = self._available_weight_pages(forecast_pages, low)
+        spare = room - self.weight_pages()
+        if spare < 0:
+            changes = self._shrink_to(room)
+        elif spare > high - low and (self._planned_for != (room, self.pool.num_weight_pages()) or self._credit_grew):
+            # Hysteresis: only memory beyond the high watermark goes back to weights.
+            self._planned_for = (room, self.pool.num_weight_pages())
+            plan = self._plan(room - (high - low))
+            changes = self._upgrades_to(plan, now_s, budgeted=True) if plan is not None else []
+        else:
+            changes = []
+        self._mark(changes, now_s)
+        return changes
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _shrink_to(self, budget_pages: int, fallback_pages: int | None = None) -> list[Change]:
+        """Abort upgrades in flight, then downgrade to the plan for ``budget_pages`` of weights
+        (or ``fallback_pages``, or the lowest precisions, whichever first fits)."""
+        pt = self.page_table
+        changes = [Change(ABORT, e, int(pt.precision_ids[e])) for e in pt.in_flight]
+        plan = self._plan_without_in_flight(budget_pages)
+        if plan is None and fallback_pages is not None:
+            plan = self._plan_without_in_flight(fallback_pages)
+        if plan is None:
+            plan = self._plan_without_in_flight(-(-int(self._problem.min_bytes.sum()) // self.pool.page_bytes))
+        shrinking = np.flatnonzero(pt.pages_by_id[plan.precision_ids] < pt.pages_by_id[pt.precision_ids])
+        return changes + [Change(DOWNGRADE, int(e), int(plan.precision_ids[e])) for e in shrinking]
+
+    def _plan_without_in_flight(self, budget_pages: int) -> Plan | None:
+        budget_bytes = budget_pages * self.pool.page_bytes
+        if budget_bytes < int(self._problem.min_bytes.sum()):
+            return None
+        if self.mode == "paper-greedy":
+            return paper_greedy(self._problem, budget_bytes)
+        return self._planner.plan(budget_bytes)
+
+    def _upgrades_to(self, plan: Plan, now_s: float, budgeted: bool) -> list[Change]:
+        pt = self.page_table
+        current, target = pt.precision_ids, plan.precision_ids
+        grow = np.flatnonzero(pt.pages_by_id[target] > pt.pages_by_id[current])
+        if not len(grow):
+            return []
+        if budgeted:
+            grow = grow[now_s - self.last_change_s[grow] >= self.settings.min_dwell_s]
+            if not len(grow):
+                return []
+            # Most loss recovered per byte first: the copy budget buys the best upgrades.
+            cur_lv, tgt_lv = self._level_of_id[current[grow]], self._level_of_id[target[grow]]
+            gain = self.table.dloss[grow, cur_lv] - self.table.dloss[grow, tgt_lv]
+            cost = np.maximum(1, self.table.bytes[grow, tgt_lv])
+            grow = grow[np.argsort(-gain / cost, kind="stable")]
+        free = self.pool.num_free - self.kv.reserve_pages
+        in_flight_bytes = sum(t.num_bytes for t in pt.in_flight.values())
+        changes = []
+        for e in grow.tolist():
+            if e in pt.in_flight:
+                continue
+            pages = int(pt.pages_by_id[target[e]])
+            nbytes = int(pt.bytes_by_id[target[e]])
+            if pages > free:
+                break
+            if budgeted and (
+                nbytes > self._copy_credit_bytes or in_flight_bytes + nbytes > self.settings.max_in_flight_bytes
+            ):
+                break
+            changes.append(Change(UPGRADE, e, int(target[e])))
+            free -= pages
+            in_flight_bytes += nbytes
+            if budgeted:
+                self._copy_credit_bytes -= nbytes
+        return changes
+
+    def _mark(self, changes: list[Change], now_s: float) -> None:
+        for c in changes:
+            if c.kind != ABORT:
+                self.last_change_s[c.expert] = now_s

@@ -1,0 +1,238 @@
+"""Reports from results directories: one self-contained ``report.html`` and the PNGs beside it.
+
+Works only from the result tables (``pagedweight.results``), never from a runtime's internals,
+so the same code reads a simulated and a real run. Per results directory the report holds:
+
+1. a headline and the summary table: every metric per policy with its change against
+   ``static-fp16`` (green where better, red where worse);
+2. memory over time per policy (KV, expert weights by precision, transitions, free, budget);
+3. the precision map over time for policies that changed precision;
+4. latency CDFs, throughput, goodput and preemption bars;
+5. the quality proxy over time and quality against throughput;
+6. transition traffic per second against the host-to-device copy budget;
+
+and, for every simulated and real run of the same scenario among the directories, the metrics
+side by side with the simulator's signed % error. Images are embedded as ``data:`` URIs: the
+page fetches nothing and opens from a file.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from pathlib import Path
+
+from pagedweight import report_plots as plots
+from pagedweight.report_data import (
+    KEY_METRICS,
+    METRICS,
+    PRECISION_ORDER,
+    RunResults,
+    fmt,
+    load_run,
+    sim_real_pairs,
+    signed_error_perc,
+)
+
+BASELINE = "static-fp16"
+_METRIC = {key: (label, spec, better) for key, label, spec, better in METRICS}
+CSS = """
+body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:2em auto;max-width:1200px;color:#222;
+padding:0 1em}
+h1{margin-bottom:.2em}h2{border-bottom:2px solid #ddd;padding-bottom:.2em;margin-top:2em}
+.facts{color:#555;font-size:.9em}.headline{background:#eef5fb;border-left:4px solid #1f77b4;padding:.6em 1em}
+table{border-collapse:collapse;font-size:.86em;margin:.6em 0}td,th{border:1px solid #ddd;padding:3px 8px}
+td{text-align:right;white-space:nowrap}th{background:#f6f6f6;text-align:left}
+.d{display:block;font-size:.82em}.better{color:#1a7f37}.worse{color:#c62828}.same{color:#888}
+.base{color:#888;font-size:.82em;display:block}.err{color:#b00}
+img{max-width:100%;border:1px solid #eee}figure{margin:1em 0}figcaption{color:#555;font-size:.9em}
+nav a{margin-right:1em}
+"""
+
+
+def png_tag(path: Path, caption: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    cap = html.escape(caption)
+    return f'<figure><img alt="{cap}" src="data:image/png;base64,{data}"><figcaption>{cap}</figcaption></figure>'
+
+
+def _change(value, base, better: str, spec: str) -> str:
+    """The change of ``value`` against ``base``: percent, or an absolute difference when the
+    baseline is 0 (a quality proxy of exactly 0 at full precision)."""
+    if value is None or base is None or not (math.isfinite(value) and math.isfinite(base)):
+        return ""
+    diff = value - base
+    if diff == 0:
+        return '<span class="d same">=</span>'
+    text = f"{diff / abs(base) * 100:+.1f}%" if base != 0 else "+" * (diff > 0) + spec.format(diff)
+    cls = ""
+    if better:
+        cls = "better" if (diff > 0) == (better == "higher") else "worse"
+    return f'<span class="d {cls}">{text}</span>'
+
+
+def summary_table(run: RunResults) -> str:
+    """Every metric per policy; below each value its change against ``static-fp16``."""
+    policies = run.policies
+    base = run.metrics(BASELINE) if BASELINE in policies else None
+    rows = list(METRICS)
+    precisions = [p for p in PRECISION_ORDER if any(p in (run.metrics(q).get("weight_bytes") or {}) for q in policies)]
+    rows += [(f"mean_weight_gib_{p}", f"  experts at {p} (GiB, time-avg)", "{:.2f}", "") for p in precisions]
+    head = "".join(f'<th style="color:{plots.policy_colour(p)}">{html.escape(p)}</th>' for p in policies)
+    body = []
+    for key, label, spec, better in rows:
+        cells = []
+        for p in policies:
+            v = run.metrics(p).get(key)
+            cell = fmt(v, spec)
+            if base is not None and p != BASELINE:
+                cell += _change(v, base.get(key), better, spec)
+            elif base is not None:
+                cell += '<span class="base">baseline</span>'
+            cells.append(f"<td>{cell}</td>")
+        body.append(f"<tr><th>{html.escape(label)}</th>{''.join(cells)}</tr>")
+    note = (
+        f"Change against <b>{BASELINE}</b> below each value: green is better, red is worse."
+        if base is not None
+        else f"<b>{BASELINE}</b> did not run here, so no changes are shown."
+    )
+    return f"<p>{note}</p><table><tr><th>metric</th>{head}</tr>{''.join(body)}</table>"
+
+
+def headline(run: RunResults) -> str:
+    """One line per policy that changed precision: what it bought against static-fp16 and
+    what it cost in quality against static-int4."""
+    if BASELINE not in run.policies:
+        return ""
+    base = run.metrics(BASELINE)
+    int4 = run.metrics("static-int4") if "static-int4" in run.policies else None
+    lines = []
+    for p in plots.dynamic_policies(run) or [q for q in run.policies if q != BASELINE][:1]:
+        m = run.metrics(p)
+        parts = []
+        for key, label in (("output_throughput", "output throughput"), ("p99_ttft_ms", "P99 TTFT")):
+            if base.get(key):
+                parts.append(f"{label} {(m[key] - base[key]) / base[key] * 100:+.0f}%")
+        parts.append(f"preemptions {base.get('num_preemptions', 0):.0f} &rarr; {m.get('num_preemptions', 0):.0f}")
+        q = f"quality proxy {m.get('mean_quality_proxy', float('nan')):.4g}"
+        if int4 is not None:
+            q += f" (static-int4: {int4.get('mean_quality_proxy', float('nan')):.4g})"
+        parts.append(q)
+        lines.append(f"<b>{html.escape(p)}</b> against {BASELINE}: " + ", ".join(parts))
+    return '<p class="headline">' + "<br>".join(lines) + "</p>" if lines else ""
+
+
+def all_metrics_table(run: RunResults) -> str:
+    policies = run.policies
+    keys = [k for k in dict.fromkeys(k for p in policies for k in run.metrics(p)) if k != "weight_bytes"]
+    head = "".join(f"<th>{html.escape(p)}</th>" for p in policies)
+    body = []
+    for k in keys:
+        cells = []
+        for p in policies:
+            v = run.metrics(p).get(k)
+            cells.append(f"<td>{fmt(v, '{:.6g}') if isinstance(v, int | float) else html.escape(str(v))}</td>")
+        body.append(f"<tr><th>{html.escape(k)}</th>{''.join(cells)}</tr>")
+    return (
+        "<details><summary>Every field of summary.json</summary>"
+        f"<table><tr><th>field</th>{head}</tr>{''.join(body)}</table></details>"
+    )
+
+
+def sim_real_table(sim: RunResults, real: RunResults) -> str:
+    """Per policy and key metric: simulated, real, and (sim - real) / |real| in percent."""
+    rows = []
+    for p in (p for p in sim.policies if p in real.policies):
+        s, r = sim.metrics(p), real.metrics(p)
+        for key in (*KEY_METRICS, "mean_e2el_ms"):
+            label, spec, _ = _METRIC[key]
+            err = signed_error_perc(s.get(key), r.get(key))
+            size = abs(err) if math.isfinite(err) else math.inf
+            cls = "better" if size <= 10 else "worse" if size > 25 else ""
+            rows.append(
+                f"<tr><th>{html.escape(p)}</th><th>{html.escape(label)}</th><td>{fmt(s.get(key), spec)}</td>"
+                f'<td>{fmt(r.get(key), spec)}</td><td class="{cls}">{fmt(err, "{:+.1f}%")}</td></tr>'
+            )
+    missing = sorted(set(sim.policies) ^ set(real.policies))
+    note = f"<p>Only in one of the two runs: {html.escape(', '.join(missing))}.</p>" if missing else ""
+    return (
+        f"<table><tr><th>policy</th><th>metric</th><th>simulated ({html.escape(sim.name)})</th>"
+        f"<th>real ({html.escape(real.name)}, {html.escape(real.runtime)})</th><th>signed error</th></tr>"
+        f"{''.join(rows)}</table>{note}"
+        "<p>Signed error = (simulated &minus; real) / |real|: positive means the simulator predicts more.</p>"
+    )
+
+
+def run_section(run: RunResults, prefix: str, out_dir: Path, anchor: str) -> str:
+    s = run.summary
+    trace = s.get("trace", {})
+    facts = (
+        f"{html.escape(s.get('model', '?'))} on {html.escape(s.get('gpu', '?'))}, "
+        f"budget {s.get('budget_bytes', 0) / 2**30:.1f} GiB in {s.get('page_bytes', 0) / 2**20:g} MiB pages; "
+        f"{trace.get('num_requests', '?')} requests ({html.escape(str(trace.get('source', '?')))}); "
+        f"runtime {html.escape(run.runtime)}.<br>Timed by: {html.escape(str(s.get('latency_model', '?')))}."
+        f"<br>{html.escape(str(s.get('importance', '')))}"
+    )
+    errors = "".join(f"<p class=err>{html.escape(p)} did not run: {html.escape(e)}</p>" for p, e in run.errors.items())
+    parts = [
+        f'<h2 id="{anchor}">{html.escape(s.get("scenario", run.name))} <small>({html.escape(run.name)})</small></h2>',
+        f'<p class="facts">{facts}</p>',
+        headline(run),
+        errors,
+    ]
+    if not run.policies:
+        return "".join(parts)
+    parts.append("<h3>Summary</h3>" + summary_table(run))
+    figures = (
+        ("memory", plots.memory_figure, "Memory over time per policy: where the budget goes, step by step."),
+        ("precision_map", plots.precision_map_figure, "Precision of every routed expert over time."),
+        ("latency", plots.latency_figure, "Latency CDFs, throughput, goodput and preemptions."),
+        ("quality", plots.quality_figure, "Quality proxy over time, and quality against throughput."),
+        ("transitions", plots.transitions_figure, "Precision transitions: bytes per second moved."),
+    )
+    if run.steps.empty:
+        parts.append("<p>No steps.csv: memory, quality and transition figures are not drawn.</p>")
+        figures = figures[2:3]
+    for name, draw, caption in figures:
+        png = draw(run, out_dir / f"{prefix}_{name}.png")
+        if png is not None:
+            parts.append(png_tag(png, caption))
+    parts.append(all_metrics_table(run))
+    return "".join(parts)
+
+
+def write_report(result_dirs: list[Path], out_html: Path) -> Path:
+    """The report of one or more results directories, with its PNGs beside ``out_html``."""
+    out_html = Path(out_html)
+    out_dir = out_html.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = [load_run(d) for d in result_dirs]
+    prefixes = [r.name if [q.name for q in runs].count(r.name) == 1 else f"{r.name}{i}" for i, r in enumerate(runs)]
+    nav, sections = [], []
+    for i, (run, prefix) in enumerate(zip(runs, prefixes, strict=True)):
+        anchor = f"run{i}"
+        nav.append(
+            f'<a href="#{anchor}">{html.escape(run.summary.get("scenario", run.name))} ({html.escape(run.name)})</a>'
+        )
+        sections.append(run_section(run, prefix, out_dir, anchor))
+    for j, (sim, real) in enumerate(sim_real_pairs(runs)):
+        anchor = f"simreal{j}"
+        nav.append(f'<a href="#{anchor}">simulated vs real: {html.escape(sim.summary.get("scenario", ""))}</a>')
+        body = f'<h2 id="{anchor}">Simulated vs real: {html.escape(sim.summary.get("scenario", ""))}</h2>'
+        body += sim_real_table(sim, real)
+        png = plots.sim_real_figure(sim, real, out_dir / f"simreal{j}_{sim.name}_{real.name}.png")
+        if png is not None:
+            body += png_tag(png, "TTFT and TPOT distributions, simulated (dashed) and real (solid).")
+        sections.append(body)
+    page = (
+        "<!doctype html><html><head><meta charset=utf-8><title>PagedWeight report</title>"
+        f"<style>{CSS}</style></head><body><h1>PagedWeight report</h1>"
+        "<p>What does dynamic expert precision buy here? Compare the dynamic policies against "
+        f"<b>{BASELINE}</b> in the summary, then see why in the memory plot.</p>"
+        f"<nav>{''.join(nav)}</nav>{''.join(sections)}</body></html>"
+    )
+    tmp = out_html.with_name(f".{out_html.name}.tmp")
+    tmp.write_text(page)
+    tmp.replace(out_html)
+    return out_html

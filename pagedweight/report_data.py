@@ -1,0 +1,287 @@
+"""Reading results directories for reports and comparisons.
+
+Only the tables a results directory holds (``pagedweight.results``) are read, so a simulated
+and a real run look the same here. Tables that a directory lacks come back empty; every
+consumer draws what the tables allow and says what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from pagedweight.errors import PagedWeightError
+from pagedweight.spec import PRECISION_NAMES, PRECISIONS
+
+# (summary key, label, format, better): better is "higher", "lower" or "" (no direction).
+METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("completed", "completed requests", "{:.0f}", "higher"),
+    ("request_throughput", "request throughput (req/s)", "{:.3f}", "higher"),
+    ("request_goodput", "goodput (req/s within SLO)", "{:.3f}", "higher"),
+    ("output_throughput", "output throughput (tok/s)", "{:.1f}", "higher"),
+    ("total_token_throughput", "total token throughput (tok/s)", "{:.1f}", "higher"),
+    ("mean_ttft_ms", "mean TTFT (ms)", "{:.1f}", "lower"),
+    ("median_ttft_ms", "median TTFT (ms)", "{:.1f}", "lower"),
+    ("p99_ttft_ms", "P99 TTFT (ms)", "{:.1f}", "lower"),
+    ("mean_tpot_ms", "mean TPOT (ms)", "{:.2f}", "lower"),
+    ("p99_tpot_ms", "P99 TPOT (ms)", "{:.2f}", "lower"),
+    ("mean_itl_ms", "mean ITL (ms)", "{:.2f}", "lower"),
+    ("mean_e2el_ms", "mean end-to-end latency (ms)", "{:.1f}", "lower"),
+    ("p99_e2el_ms", "P99 end-to-end latency (ms)", "{:.1f}", "lower"),
+    ("num_preemptions", "preemptions", "{:.0f}", "lower"),
+    ("mean_kv_cache_usage_perc", "mean KV cache usage (%)", "{:.1f}", ""),
+    ("mean_weight_gib", "mean weight memory (GiB)", "{:.2f}", "lower"),
+    ("mean_quality_proxy", "quality proxy, mean dloss (nats/token)", "{:.4g}", "lower"),
+    ("max_quality_proxy", "quality proxy, max dloss (nats/token)", "{:.4g}", "lower"),
+    ("num_downgrades", "downgrades", "{:.0f}", ""),
+    ("num_upgrades", "upgrades", "{:.0f}", ""),
+    ("h2d_gib", "host-to-device traffic (GiB)", "{:.2f}", "lower"),
+    ("rejected", "rejected requests", "{:.0f}", "lower"),
+    ("unfinished", "unfinished requests", "{:.0f}", "lower"),
+)
+METRIC_KEYS = tuple(m[0] for m in METRICS)
+# Columns of ``pwsim compare`` and the sim-vs-real table: the figures a reader checks first.
+KEY_METRICS = (
+    "request_throughput",
+    "output_throughput",
+    "request_goodput",
+    "mean_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "p99_tpot_ms",
+    "num_preemptions",
+    "mean_quality_proxy",
+)
+# Precisions from the most to the fewest bits: stacking and colour order.
+PRECISION_ORDER: tuple[str, ...] = tuple(sorted(PRECISION_NAMES, key=lambda p: -PRECISIONS[p].rank))
+
+
+def policy_metrics(entry: dict) -> dict:
+    """One policy's ``summary.json`` entry plus derived figures (GiB, not bytes)."""
+    out = dict(entry)
+    weights = entry.get("weight_bytes") or {}
+    if weights:
+        out["mean_weight_gib"] = sum(w["mean_bytes"] for w in weights.values()) / 2**30
+        for name, w in weights.items():
+            out[f"mean_weight_gib_{name}"] = w["mean_bytes"] / 2**30
+    if "h2d_bytes" in entry:
+        out["h2d_gib"] = entry["h2d_bytes"] / 2**30
+    return out
+
+
+def fmt(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return spec.format(value)
+
+
+@dataclass
+class RunResults:
+    """One results directory, loaded."""
+
+    path: Path
+    summary: dict
+    steps: pd.DataFrame
+    requests: pd.DataFrame
+    transitions: pd.DataFrame
+    initial_precisions: pd.DataFrame
+    scenario: dict  # scenario.resolved.yaml, or {} when the run did not come from a scenario
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def runtime(self) -> str:
+        return self.summary.get("runtime", "?")
+
+    @property
+    def policies(self) -> list[str]:
+        """Policies that ran (infeasible ones have an ``error`` entry instead of metrics)."""
+        return [p for p, v in self.summary.get("policies", {}).items() if "error" not in v]
+
+    @property
+    def errors(self) -> dict[str, str]:
+        return {p: v["error"] for p, v in self.summary.get("policies", {}).items() if "error" in v}
+
+    def metrics(self, policy: str) -> dict:
+        return policy_metrics(self.summary["policies"][policy])
+
+    def copy_budget_bytes_per_s(self) -> float | None:
+        value = (self.scenario.get("controller") or {}).get("copy_budget_bytes_per_s")
+        return float(value) if value is not None else None
+
+
+def read_summary(path: Path) -> dict:
+    f = Path(path) / "summary.json"
+    if not f.is_file():
+        raise PagedWeightError(f"{path}: not a results directory (no summary.json)")
+    try:
+        summary = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise PagedWeightError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(summary.get("policies"), dict):
+        raise PagedWeightError(f"{f}: no 'policies' mapping")
+    return summary
+
+
+def _csv(path: Path) -> pd.DataFrame:
+    return pd.read_csv(path) if path.is_file() and path.stat().st_size > 0 else pd.DataFrame()
+
+
+def load_run(path: str | Path, tables: bool = True) -> RunResults:
+    """``tables=False`` reads only the summary (enough for ``pwsim compare``)."""
+    path = Path(path)
+    summary = read_summary(path)
+    empty = pd.DataFrame()
+    resolved = path / "scenario.resolved.yaml"
+    scenario = (yaml.safe_load(resolved.read_text()) or {}) if resolved.is_file() else {}
+    if not tables:
+        return RunResults(path, summary, empty, empty, empty, empty, scenario)
+    return RunResults(
+        path,
+        summary,
+        _csv(path / "steps.csv"),
+        _csv(path / "requests.csv"),
+        _csv(path / "transitions.csv"),
+        _csv(path / "initial_precisions.csv"),
+        scenario,
+    )
+
+
+def sample_steps(steps: pd.DataFrame, columns: list[str], num_points: int = 600) -> pd.DataFrame:
+    """The step table sampled at ``num_points`` evenly spaced times: the row in force at each
+    time (steps are piecewise constant). A run of an hour has ~150k steps; drawing all of them
+    costs seconds and shows nothing more at report resolution."""
+    if steps.empty:
+        return pd.DataFrame(columns=["time_s", *columns])
+    start = steps["start_s"].to_numpy()
+    end_s = float(start[-1] + steps["duration_s"].to_numpy()[-1])
+    t = np.linspace(float(start[0]), end_s, num_points)
+    idx = np.clip(np.searchsorted(start, t, side="right") - 1, 0, len(start) - 1)
+    out = steps[columns].iloc[idx].reset_index(drop=True)
+    out.insert(0, "time_s", t)
+    return out
+
+
+def bin_sum(
+    times_s: np.ndarray, values: np.ndarray, end_s: float, num_bins: int = 200
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sum of ``values`` per time bin, divided by the bin width: a rate per second.
+    Returns (bin left edges, rate per second)."""
+    width = max(end_s, 1e-9) / num_bins
+    edges = np.arange(num_bins) * width
+    idx = np.clip((np.asarray(times_s) / width).astype(int), 0, num_bins - 1)
+    sums = np.bincount(idx, weights=np.asarray(values, dtype=float), minlength=num_bins)
+    return edges, sums / width
+
+
+def precision_timeline(
+    initial: pd.DataFrame, transitions: pd.DataFrame, times_s: np.ndarray
+) -> tuple[np.ndarray, list[str]]:
+    """Every expert's precision at each of ``times_s`` (sorted), rebuilt from its initial
+    precision and the committed transitions (aborted upgrades change nothing).
+
+    Returns ``(grid, names)``: ``grid[e, j]`` is an index into ``names`` (precisions ordered
+    from the most bits to the fewest) for expert ``e`` at ``times_s[j]``."""
+    names = [p for p in PRECISION_ORDER if p in set(initial["precision"]) | set(transitions.get("to_precision", []))]
+    code = {p: i for i, p in enumerate(names)}
+    current = initial.sort_values("expert")["precision"].map(code).to_numpy().copy()
+    grid = np.empty((len(current), len(times_s)), dtype=np.int8)
+    done = (
+        transitions[transitions["kind"] != "abort"].sort_values("time_s", kind="stable") if len(transitions) else None
+    )
+    t_arr = done["time_s"].to_numpy() if done is not None else np.zeros(0)
+    e_arr = done["expert"].to_numpy() if done is not None else np.zeros(0, dtype=int)
+    p_arr = done["to_precision"].map(code).to_numpy() if done is not None else np.zeros(0, dtype=int)
+    k = 0
+    for j, t in enumerate(times_s):
+        while k < len(t_arr) and t_arr[k] <= t:
+            current[e_arr[k]] = p_arr[k]
+            k += 1
+        grid[:, j] = current
+    return grid, names
+
+
+def sim_real_pairs(runs: list[RunResults]) -> list[tuple[RunResults, RunResults]]:
+    """(simulated, real) pairs of runs of the same scenario: one from ``pwsim``, one from
+    another runtime."""
+    pairs = []
+    for sim in runs:
+        if sim.runtime != "pwsim":
+            continue
+        for real in runs:
+            if real.runtime != "pwsim" and real.summary.get("scenario") == sim.summary.get("scenario"):
+                pairs.append((sim, real))
+    return pairs
+
+
+def signed_error_perc(sim: float | None, real: float | None) -> float:
+    """(sim - real) / |real| in percent: positive means the simulator predicts more."""
+    if sim is None or real is None or not math.isfinite(sim) or not math.isfinite(real):
+        return float("nan")
+    if real == 0:
+        return 0.0 if sim == 0 else math.copysign(math.inf, sim)
+    return (sim - real) / abs(real) * 100.0
+
+
+_SHORT = {
+    "request_throughput": "req/s",
+    "output_throughput": "out tok/s",
+    "request_goodput": "goodput",
+    "mean_ttft_ms": "TTFT ms",
+    "p99_ttft_ms": "P99 TTFT",
+    "mean_tpot_ms": "TPOT ms",
+    "p99_tpot_ms": "P99 TPOT",
+    "num_preemptions": "preempt",
+    "mean_quality_proxy": "quality",
+}
+
+
+def compare_table(dirs: list[str | Path]) -> pd.DataFrame:
+    """One row per results directory and policy: where it came from and its key metrics;
+    a policy that could not run has its reason in ``error`` and no metrics."""
+    rows = []
+    for d in dirs:
+        run = load_run(d, tables=False)
+        s = run.summary
+        for policy, entry in s["policies"].items():
+            m = policy_metrics(entry)
+            rows.append(
+                {
+                    "run": run.name,
+                    "runtime": run.runtime,
+                    "scenario": s.get("scenario", ""),
+                    "budget_gib": s.get("budget_bytes", float("nan")) / 2**30,
+                    "policy": policy,
+                    **{k: m.get(k, float("nan")) for k in KEY_METRICS},
+                    "error": entry.get("error", ""),
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def format_compare(table: pd.DataFrame) -> str:
+    """``compare_table`` as aligned text, formats from ``METRICS``. A policy that could not run
+    shows its reason in place of the metrics."""
+    spec = {k: s for k, _, s, _ in METRICS}
+    head = ["run", "runtime", "scenario", "budget GiB", "policy", *(_SHORT[k] for k in KEY_METRICS)]
+    rows = []
+    for _, r in table.iterrows():
+        cells = [str(r["run"]), str(r["runtime"]), str(r["scenario"]), f"{r['budget_gib']:.1f}", str(r["policy"])]
+        rows.append(cells + ([] if r["error"] else [fmt(r[k], spec[k]) for k in KEY_METRICS]))
+    widths = [max([len(h)] + [len(c[i]) for c in rows if i < len(c)]) for i, h in enumerate(head)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i in (0, 1, 2, 4) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [line(head)]
+    for cells, (_, r) in zip(rows, table.iterrows(), strict=True):
+        out.append(line(cells) + (f"  infeasible: {r['error']}" if r["error"] else ""))
+    return "\n".join(out)

@@ -1,0 +1,333 @@
+"""Scenario files: one YAML document that says what to run and what to compare.
+
+    name: longctx
+    model: mixtral-8x7b            # built-in name (``pwsim specs``) or a path to a ModelSpec YAML
+    gpu: h200
+    memory: {budget: 120 GiB, page_bytes: 2 MiB, kv_block_tokens: 16, precisions: [bf16, fp8, int8, int4]}
+    workload: {kind: trace, path: ../traces/longctx.jsonl, format: mooncake}
+    scheduler: {max_num_batched_tokens: 8192, max_num_seqs: 256}
+    latency: {kind: analytic}
+    policies: [static-fp16, static-int4, pagedweight]
+    slo: {ttft_ms: 2000, tpot_ms: 100}
+    seed: 0
+
+Loading is strict: unknown keys, wrong types and impossible values (a budget that cannot hold
+the model at its lowest precision, negative rates, a trace file that does not exist) are
+rejected with ``file: key.path: what is wrong; what is allowed``. Relative paths inside a
+scenario are resolved against the scenario file's directory. Only ``yaml.safe_load`` is used.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pagedweight.errors import PagedWeightError, ScenarioError, format_validation_error
+from pagedweight.latency_config import AnalyticLatencyConfig, LatencyConfig, RoutingConfig
+from pagedweight.policy import POLICY_NAMES
+from pagedweight.spec import PRECISIONS, ModelSpec, get_precision, ladder, load_gpu, load_model
+from pagedweight.workload import WorkloadConfig
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: object) -> int:
+    """``123``, ``"2 MiB"``, ``"80GB"``, ``"1.5e9"`` -> bytes. Binary units are powers of 1024."""
+    if isinstance(value, bool):
+        raise ValueError("a size in bytes, e.g. 2097152 or '2 MiB'")
+    if isinstance(value, int | float):
+        out = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"{value!r} is not a size; write e.g. 2097152, '2 MiB' or '80 GB' (units: B, KiB, MiB, GiB, KB, MB, GB)"
+            )
+        out = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    else:
+        raise ValueError("a size in bytes, e.g. 2097152 or '2 MiB'")
+    if out <= 0:
+        raise ValueError(f"a size must be > 0 (got {value!r})")
+    return int(out)
+
+
+Bytes = Annotated[int, BeforeValidator(parse_bytes)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MemoryConfig(_Strict):
+    """The memory budget shared by weights and KV. Give ``budget`` (bytes or '120 GiB') or
+    ``budget_fraction`` (of the GPU's memory), not both."""
+
+    budget: Bytes | None = None
+    budget_fraction: float | None = Field(default=None, gt=0, le=1)
+    page_bytes: Bytes = 2 * 2**20
+    kv_block_tokens: int = Field(default=16, ge=1)
+    precisions: tuple[str, ...] = ("bf16", "fp8", "int8", "int4")
+
+    @field_validator("precisions")
+    @classmethod
+    def _known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("name at least one precision")
+        for name in v:
+            if name not in PRECISIONS:
+                raise ValueError(f"unknown precision {name!r}; allowed: {', '.join(PRECISIONS)}")
+        return tuple(p.name for p in ladder(list(v)))
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> MemoryConfig:
+        if (self.budget is None) == (self.budget_fraction is None):
+            raise ValueError("give exactly one of budget (bytes, e.g. '120 GiB') or budget_fraction (0-1 of the GPU)")
+        return self
+
+
+class SchedulerSection(_Strict):
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_model_len: int | None = Field(default=None, ge=1)  # default: the model's context
+
+
+class SyntheticImportance(_Strict):
+    """A synthetic importance table (see ``pagedweight.importance``), marked synthetic in outputs."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    seed: int = Field(default=0, ge=0)
+    zipf_exponent: float = Field(default=0.8, ge=0)  # skew of routing frequencies within a layer
+
+
+class FileImportance(_Strict):
+    kind: Literal["file"]
+    path: str
+
+    def resolved_path(self, base_dir: Path) -> Path:
+        p = Path(self.path)
+        return p if p.is_absolute() else base_dir / p
+
+
+ImportanceConfig = Annotated[SyntheticImportance | FileImportance, Field(discriminator="kind")]
+
+
+class ControllerConfig(_Strict):
+    """Knobs of the run-time precision controller (``pagedweight.controller``)."""
+
+    horizon_steps: int = Field(default=32, ge=1)  # KV forecast look-ahead
+    low_watermark: float = Field(default=0.02, ge=0, lt=1)  # free pool fraction kept for KV growth
+    high_watermark: float = Field(default=0.10, gt=0, lt=1)  # upgrades only while more is free
+    copy_budget_bytes_per_s: Bytes = 16 * 10**9  # host-to-device bytes/s the upgrades may use
+    max_in_flight: Bytes = 2 * 2**30  # bytes of upgrades in flight at once
+    min_dwell_s: float = Field(default=2.0, ge=0)  # an expert keeps a new precision at least this long
+    plan_interval_s: float = Field(default=0.05, ge=0)  # at most one (non-emergency) plan per interval
+    # static-mixed: the fixed weight budget, as a fraction of every expert at the top precision.
+    static_mixed_fraction: float = Field(default=0.5, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ControllerConfig:
+        if self.high_watermark <= self.low_watermark:
+            raise ValueError(
+                f"high_watermark(={self.high_watermark}) must be > low_watermark(={self.low_watermark}) (hysteresis)"
+            )
+        return self
+
+
+class SloConfig(_Strict):
+    ttft_ms: float | None = Field(default=None, gt=0)
+    tpot_ms: float | None = Field(default=None, gt=0)
+    e2el_ms: float | None = Field(default=None, gt=0)
+
+
+class Scenario(_Strict):
+    name: str = Field(min_length=1)
+    description: str = ""
+    model: str
+    gpu: str
+    memory: MemoryConfig
+    workload: WorkloadConfig
+    scheduler: SchedulerSection = SchedulerSection()
+    latency: LatencyConfig = AnalyticLatencyConfig()
+    routing: RoutingConfig = RoutingConfig()
+    importance: ImportanceConfig = SyntheticImportance()
+    controller: ControllerConfig = ControllerConfig()
+    policies: tuple[str, ...] = POLICY_NAMES
+    slo: SloConfig = SloConfig()
+    seed: int = Field(default=0, ge=0)
+
+    @field_validator("policies")
+    @classmethod
+    def _known_policies(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError(f"name at least one policy; allowed: {', '.join(POLICY_NAMES)}")
+        for name in v:
+            if name not in POLICY_NAMES:
+                raise ValueError(f"unknown policy {name!r}; allowed: {', '.join(POLICY_NAMES)}")
+        if len(set(v)) != len(v):
+            raise ValueError("a policy is listed twice")
+        return v
+
+
+class LoadedScenario:
+    """A validated scenario with everything it refers to resolved."""
+
+    def __init__(self, scenario: Scenario, source: Path, model: ModelSpec, gpu):
+        self.scenario = scenario
+        self.source = source
+        self.base_dir = source.parent
+        self.model = model
+        self.gpu = gpu
+
+    @property
+    def budget_bytes(self) -> int:
+        mem = self.scenario.memory
+        return mem.budget if mem.budget is not None else int(mem.budget_fraction * self.gpu.hbm_bytes)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scenario.scheduler.max_model_len or self.model.max_context_tokens
+
+    def min_budget_bytes(self) -> int:
+        """Pages for pinned weights, every expert at the lowest precision, and one KV page."""
+        return _min_budget(self.model, self.scenario.memory)
+
+
+def _pages(num_bytes: int, page_bytes: int) -> int:
+    return -(-num_bytes // page_bytes)
+
+
+def _min_budget(model: ModelSpec, mem: MemoryConfig) -> int:
+    lowest = get_precision(mem.precisions[-1])
+    expert_pages = sum(_pages(lowest.matrix_bytes(n, k), mem.page_bytes) for _, n, k in model.expert_matrices)
+    pages = _pages(model.pinned_bytes(), mem.page_bytes) + model.num_experts_total * expert_pages + 1
+    return pages * mem.page_bytes
+
+
+def apply_overrides(raw: dict, overrides: list[str], source: str) -> dict:
+    """``--set key.path=value`` (value parsed as YAML) applied to the raw mapping."""
+    for item in overrides:
+        if "=" not in item:
+            raise ScenarioError(f"--set {item!r}: expected key.path=value")
+        path, value = item.split("=", 1)
+        keys = path.strip().split(".")
+        node = raw
+        for k in keys[:-1]:
+            if not isinstance(node.get(k, {}), dict):
+                raise ScenarioError(f"{source}: --set {path}: {k} is not a mapping")
+            node = node.setdefault(k, {})
+        node[keys[-1]] = yaml.safe_load(value)
+    return raw
+
+
+def load_scenario(path: str | Path, overrides: list[str] | None = None) -> LoadedScenario:
+    path = Path(path)
+    src = str(path)
+    if not path.is_file():
+        raise ScenarioError(f"scenario file {src} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ScenarioError(f"{src}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{src}: expected a mapping of scenario keys; allowed: {', '.join(Scenario.model_fields)}")
+    raw = apply_overrides(raw, overrides or [], src)
+    try:
+        scenario = Scenario.model_validate(raw)
+    except ValidationError as e:
+        raise ScenarioError(format_validation_error(e, src, Scenario, raw)) from None
+    return check(scenario, path)
+
+
+def check(scenario: Scenario, source: Path) -> LoadedScenario:
+    """What a schema cannot see: names that must exist, files that must be there, and a
+    budget that must hold the model."""
+    src = str(source)
+    base = source.parent
+
+    def fail(key: str, msg: str) -> ScenarioError:
+        return ScenarioError(f"{src}: {key}: {msg}")
+
+    try:
+        model = load_model(
+            scenario.model if not scenario.model.endswith((".yaml", ".yml")) else str(base / scenario.model)
+        )
+    except PagedWeightError as e:
+        raise fail("model", str(e)) from None
+    try:
+        gpu = load_gpu(scenario.gpu if not scenario.gpu.endswith((".yaml", ".yml")) else str(base / scenario.gpu))
+    except PagedWeightError as e:
+        raise fail("gpu", str(e)) from None
+    loaded = LoadedScenario(scenario, source, model, gpu)
+    mem = scenario.memory
+    gib = 2**30
+    if loaded.budget_bytes > gpu.hbm_bytes:
+        raise fail(
+            "memory.budget", f"{loaded.budget_bytes / gib:.1f} GiB exceeds {gpu.name}'s {gpu.hbm_bytes / gib:.1f} GiB"
+        )
+    need = loaded.min_budget_bytes()
+    if loaded.budget_bytes < need:
+        raise fail(
+            "memory.budget",
+            f"{loaded.budget_bytes / gib:.2f} GiB cannot hold {model.name} even with every expert at "
+            f"{mem.precisions[-1]} (pinned {model.pinned_bytes() / gib:.2f} GiB + experts + one KV page "
+            f"= {need / gib:.2f} GiB); allowed: >= {need / gib:.2f} GiB, or add a lower precision",
+        )
+    block_bytes = mem.kv_block_tokens * model.kv_bytes_per_token()
+    if block_bytes > mem.page_bytes:
+        fits = max(1, mem.page_bytes // model.kv_bytes_per_token())
+        raise fail(
+            "memory.kv_block_tokens",
+            f"{mem.kv_block_tokens} tokens x {model.kv_bytes_per_token()} B/token = {block_bytes} B exceeds "
+            f"page_bytes {mem.page_bytes}; allowed: <= {fits} tokens, or larger pages",
+        )
+    if loaded.max_model_len > model.max_context_tokens:
+        raise fail(
+            "scheduler.max_model_len",
+            f"{loaded.max_model_len} exceeds {model.name}'s context of {model.max_context_tokens} tokens",
+        )
+    files = []
+    if scenario.workload.kind == "trace":
+        files.append(("workload.path", scenario.workload.resolved_path(base)))
+    lengths = getattr(scenario.workload, "lengths", None)
+    if lengths is not None and getattr(lengths, "kind", None) == "file":
+        files.append(("workload.lengths.path", lengths.resolved_path(base)))
+    if scenario.latency.kind == "table":
+        files.append(("latency.path", scenario.latency.resolved_path(base)))
+    if scenario.importance.kind == "file":
+        files.append(("importance.path", scenario.importance.resolved_path(base)))
+    for key, p in files:
+        if not p.is_file():
+            raise fail(key, f"file {p} does not exist (relative paths are resolved against {base})")
+    return loaded
+
+
+def importance_table(loaded: LoadedScenario):
+    """The scenario's importance table, restricted to its precision ladder. A file table must
+    describe the scenario's model and cover every precision of the ladder."""
+    from pagedweight.importance import read_table, synthetic_table  # heavy-ish; only when running
+
+    sc = loaded.scenario
+    ladder_names = sc.memory.precisions
+    cfg = sc.importance
+    if cfg.kind == "synthetic":
+        return synthetic_table(loaded.model, ladder_names, cfg.seed, zipf_exponent=cfg.zipf_exponent)
+    path = cfg.resolved_path(loaded.base_dir)
+    table = read_table(path)
+    where = f"{loaded.source}: importance.path ({path})"
+    if (table.num_layers, table.num_experts) != (loaded.model.num_moe_layers, loaded.model.num_experts):
+        raise ScenarioError(
+            f"{where}: table has {table.num_layers} layers x {table.num_experts} experts; "
+            f"{loaded.model.name} has {loaded.model.num_moe_layers} x {loaded.model.num_experts}"
+        )
+    missing = [p for p in ladder_names if p not in table.ladder]
+    if missing:
+        raise ScenarioError(f"{where}: no dloss/bytes columns for {missing}; the table has {list(table.ladder)}")
+    cols = [table.ladder.index(p) for p in ladder_names]
+    return table.replace(
+        ladder=tuple(ladder_names), dloss=table.dloss[:, cols].copy(), bytes=table.bytes[:, cols].copy()
+    )

@@ -1,0 +1,57 @@
+"""Run a scenario for every policy (or those named) and write a results directory and report."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pagedweight.errors import ScenarioError
+from pagedweight.policy import POLICY_NAMES
+from pagedweight.scenario import load_scenario
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("scenario", help="scenario YAML file")
+    p.add_argument("--policy", action="append", metavar="NAME", help=f"run only these ({', '.join(POLICY_NAMES)})")
+    p.add_argument("--out", help="results directory (default runs/<scenario name>)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a scenario key")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-report", action="store_true", help="skip report.html")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pwsim.run import run_scenario
+
+    loaded = load_scenario(args.scenario, args.set)
+    for name in args.policy or []:
+        if name not in POLICY_NAMES:
+            raise ScenarioError(f"--policy {name!r} unknown; allowed: {', '.join(POLICY_NAMES)}")
+    out = Path(args.out or Path("runs") / loaded.scenario.name)
+    summary = run_scenario(loaded, out, policies=args.policy, progress=not args.no_progress, report=not args.no_report)
+    print(f"{summary['scenario']}: {summary['model']} on {summary['gpu']}, {summary['trace']['num_requests']} requests")
+    print(f"timed by: {summary['latency_model']}")
+    print(summary["importance"])
+    for note in summary["trace"]["notes"]:
+        print(f"trace: {note}")
+    print(format_table(summary))
+    print(f"results: {out}/ (summary.json, requests.csv, steps.csv, report.html)")
+    return 0
+
+
+def format_table(summary: dict) -> str:
+    cols = [
+        ("output_throughput", "out tok/s", "{:9.1f}"),
+        ("mean_ttft_ms", "TTFT ms", "{:9.1f}"),
+        ("p99_ttft_ms", "P99 TTFT", "{:9.1f}"),
+        ("mean_tpot_ms", "TPOT ms", "{:8.2f}"),
+        ("num_preemptions", "preempt", "{:8.0f}"),
+        ("mean_quality_proxy", "quality", "{:9.4f}"),
+        ("completed", "done", "{:6.0f}"),
+    ]
+    lines = [f"{'policy':14s}" + "".join(f"{h:>10s}" for _, h, _ in cols)]
+    for name, s in summary["policies"].items():
+        if "error" in s:
+            lines.append(f"{name:14s}  infeasible: {s['error']}")
+            continue
+        lines.append(f"{name:14s}" + "".join(f"{spec.format(s[k]):>10s}" for k, _, spec in cols))
+    return "\n".join(lines)

@@ -1,0 +1,186 @@
+"""The analytic latency model: a roofline per operator from the ``GpuSpec``.
+
+Each operator of a step takes ``max(bytes / (bw * hbm_eff), flops / (peak * flops_eff))`` and
+operators run one after another (the time of a step is their sum plus fixed overheads).
+
+- **Routed experts**, per expert: weight bytes at the expert's precision against ``2 * 3 * H * F``
+  flops per token. The roofline is applied *per expert*, then summed over a layer: a grouped MoE
+  kernel streams each expert's weights once and runs that expert's tokens as its own GEMM, so a
+  hot expert can be compute-bound while cold ones are still bandwidth-bound. Only active
+  experts (tokens > 0) count. One kernel launch per precision class present in a layer, since a
+  fused MoE kernel holds one weight dtype.
+- **Compute peak by precision**: FP8 weights run FP8 MMAs (activations quantised per token) when
+  the GPU has them; every other format dequantises into bf16 tiles, so it runs at the bf16 peak
+  (weight-only quantisation saves bytes, not flops).
+- **Attention**: prefill flops ``2 * q * kv_eff * heads * (d_qk + d_v)`` with
+  ``kv_eff = kv_len - (q - 1) / 2`` for the causal chunk, against the chunk's KV bytes; decode
+  reads every sequence's KV (``kv_len * kv_bytes_per_token / num_layers`` per layer). MLA decodes
+  in the absorbed form (``d_qk = kv_lora_rank + rope``, ``d_v = kv_lora_rank``).
+- **Pinned parts** (attention projections, norms, router, shared experts, dense FFN layers): bytes
+  of their bf16 weights against ``2 * params`` flops per token. ``lm_head`` runs for the last token
+  of every sequence in the step (vLLM computes logits for every scheduled request).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedweight.latency_config import AnalyticLatencyConfig
+from pagedweight.spec import PRECISION_NAMES, PRECISIONS, GpuSpec, ModelSpec
+from pagedweight.step import StepShape
+
+
+def roofline_s(num_bytes, flops, bw_bytes_per_s: float, flops_per_s: float):
+    return np.maximum(num_bytes / bw_bytes_per_s, flops / flops_per_s)
+
+
+class AnalyticLatencyModel:
+    name = "analytic"
+
+    def __init__(self, cfg: AnalyticLatencyConfig, model: ModelSpec, gpu: GpuSpec):
+        self.cfg, self.model, self.gpu = cfg, model, gpu
+        m = model
+        self.bw_bytes_per_s = gpu.hbm_bandwidth_bytes_per_s * cfg.hbm_efficiency
+        self.bf16_flops_per_s = gpu.peak_bf16_flops * cfg.flops_efficiency
+        self.h = m.hidden_size
+        # Per precision id: the expert's weight-read time and its time per token at the compute roof.
+        self.expert_flops_per_token = 2.0 * m.expert_params
+        self.expert_read_s = np.zeros(len(PRECISION_NAMES))
+        self.expert_s_per_token = np.zeros(len(PRECISION_NAMES))
+        self.expert_peak_flops_per_s = np.zeros(len(PRECISION_NAMES))
+        for pid, pname in enumerate(PRECISION_NAMES):
+            eff = cfg.precision_hbm_efficiency.get(pname, cfg.hbm_efficiency)
+            self.expert_read_s[pid] = m.expert_bytes(pname) / (gpu.hbm_bandwidth_bytes_per_s * eff)
+            self.expert_peak_flops_per_s[pid] = self._peak_flops_per_s(pname)
+            self.expert_s_per_token[pid] = self.expert_flops_per_token / self.expert_peak_flops_per_s[pid]
+        # Tokens per expert above which an expert is compute-bound, per precision.
+        self.expert_ridge_tokens = self.expert_read_s / self.expert_s_per_token
+        self._num_precisions = len(PRECISION_NAMES)
+        self._layer_base = (np.arange(m.num_moe_layers) * self._num_precisions)[:, None]
+
+        # Pinned parts, per layer and once per step.
+        db = m.dtype_bytes
+        attn_params = m.attention_params_per_layer() + 2 * self.h  # projections + two RMSNorms
+        router_params = m.num_experts * self.h
+        shared_params = m.num_shared_experts * 3 * self.h * m.shared_expert_ffn_size
+        shared_params += self.h if m.shared_expert_gate else 0
+        moe_layer_params = attn_params + router_params + shared_params
+        dense_layer_params = attn_params + 3 * self.h * m.dense_ffn_size
+        self.moe_layer_pinned = (moe_layer_params * db, 2.0 * moe_layer_params)  # (bytes, flops per token)
+        self.dense_layer_pinned = (dense_layer_params * db, 2.0 * dense_layer_params)
+        head_params = m.vocab_size * self.h
+        self.lm_head = (head_params * db + self.h * db, 2.0 * head_params)
+        # Attention per layer: KV bytes per token and head dims for prefill / decode flops.
+        self.kv_bytes_per_token_layer = m.kv_bytes_per_token() / m.num_layers
+        if m.attention == "mla":
+            self.prefill_head_dims = m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim
+            self.decode_head_dims = 2 * m.kv_lora_rank + m.qk_rope_head_dim
+        else:
+            self.prefill_head_dims = self.decode_head_dims = 2 * m.head_dim
+
+    def _peak_flops_per_s(self, precision: str) -> float:
+        if precision == "fp8" and self.gpu.peak_fp8_flops > 0:
+            return self.gpu.peak_fp8_flops * self.cfg.flops_efficiency
+        return self.bf16_flops_per_s
+
+    # ---- the parts of a step -------------------------------------------------------------
+    def moe_s(self, tokens_per_expert: np.ndarray, precision_ids: np.ndarray) -> float:
+        """All routed-expert FFNs of all MoE layers, (L, E) inputs."""
+        # ~12 us for 32 x 8 on one core: each numpy call on a small array costs 1-2 us, so the
+        # count of calls matters more than their size (take() beats fancy indexing 1.7 vs 3.6 us).
+        active = tokens_per_expert > 0
+        expert_s = self.expert_read_s.take(precision_ids)
+        np.maximum(expert_s, tokens_per_expert * self.expert_s_per_token.take(precision_ids), out=expert_s)
+        # A float mask: np.dot with a bool operand leaves BLAS (300 us vs 3 us for 48 x 128).
+        total_s = float(np.dot(expert_s.ravel(), active.ravel().astype(np.float64)))
+        # One launch per (layer, precision class) with active experts.
+        num_calls = np.count_nonzero(np.bincount((self._layer_base + precision_ids)[active], minlength=1))
+        return total_s + num_calls * self.cfg.kernel_launch_s
+
+    def moe_class_s(self, precision_id: int, tokens_per_active_expert, num_active_experts):
+        """Expert FFNs of one precision class: ``e`` experts with ``m`` tokens each (vectorised)."""
+        per_expert = np.maximum(
+            self.expert_read_s[precision_id], tokens_per_active_expert * self.expert_s_per_token[precision_id]
+        )
+        return num_active_experts * per_expert + self.cfg.kernel_launch_s
+
+    def attn_prefill_s(self, chunk_tokens, kv_lens):
+        """Per layer, per chunk (vectorised over chunks)."""
+        q = np.asarray(chunk_tokens, dtype=np.float64)
+        kv_eff = np.asarray(kv_lens, dtype=np.float64) - (q - 1) / 2
+        flops = 2.0 * q * kv_eff * self.model.num_heads * self.prefill_head_dims
+        return roofline_s(kv_lens * self.kv_bytes_per_token_layer, flops, self.bw_bytes_per_s, self.bf16_flops_per_s)
+
+    def attn_decode_s(self, num_seqs, total_kv_tokens):
+        """Per layer, for ``num_seqs`` sequences reading ``total_kv_tokens`` KV entries in all."""
+        flops = 2.0 * total_kv_tokens * self.model.num_heads * self.decode_head_dims
+        return roofline_s(
+            total_kv_tokens * self.kv_bytes_per_token_layer, flops, self.bw_bytes_per_s, self.bf16_flops_per_s
+        )
+
+    def dense_s(self, num_tokens):
+        """Pinned weights of one MoE layer (attention projections, norms, router, shared experts)."""
+        nbytes, flops_per_token = self.moe_layer_pinned
+        return roofline_s(nbytes, flops_per_token * num_tokens, self.bw_bytes_per_s, self.bf16_flops_per_s)
+
+    def dense_layer_s(self, num_tokens):
+        """One leading dense layer's pinned weights, its dense FFN included."""
+        nbytes, flops_per_token = self.dense_layer_pinned
+        return roofline_s(nbytes, flops_per_token * num_tokens, self.bw_bytes_per_s, self.bf16_flops_per_s)
+
+    def lm_head_s(self, num_seqs):
+        nbytes, flops_per_token = self.lm_head
+        return roofline_s(nbytes, flops_per_token * num_seqs, self.bw_bytes_per_s, self.bf16_flops_per_s)
+
+    # ---- the LatencyModel interface ------------------------------------------------------
+    def step_time_s(self, shape: StepShape, tokens_per_expert: np.ndarray, precision_ids: np.ndarray) -> float:
+        # Scalar parts in plain Python floats: a numpy call on a scalar costs ~1 us, a float op 50 ns.
+        m = self.model
+        bw, peak = self.bw_bytes_per_s, self.bf16_flops_per_s
+        num_decodes = len(shape.decode_kv_lens)
+        num_chunks = len(shape.prefill_tokens)
+        num_prefill = int(shape.prefill_tokens.sum()) if num_chunks else 0
+        num_tokens = num_prefill + num_decodes
+        if num_tokens == 0:
+            return 0.0
+        attn_s = 0.0
+        if num_chunks:
+            heads_flops = 2.0 * m.num_heads * self.prefill_head_dims
+            for q, kv in zip(shape.prefill_tokens.tolist(), shape.prefill_kv_lens.tolist(), strict=True):
+                flops = heads_flops * q * (kv - (q - 1) / 2)
+                attn_s += max(kv * self.kv_bytes_per_token_layer / bw, flops / peak)
+        if num_decodes:
+            kv_total = float(shape.decode_kv_lens.sum())
+            flops = 2.0 * kv_total * m.num_heads * self.decode_head_dims
+            attn_s += max(kv_total * self.kv_bytes_per_token_layer / bw, flops / peak)
+        nbytes, flops_per_token = self.moe_layer_pinned
+        moe_layer_pinned_s = max(nbytes / bw, flops_per_token * num_tokens / peak)
+        dense_layers_s = 0.0
+        if m.num_dense_layers:
+            nbytes, flops_per_token = self.dense_layer_pinned
+            dense_layers_s = m.num_dense_layers * max(nbytes / bw, flops_per_token * num_tokens / peak)
+        nbytes, flops_per_token = self.lm_head
+        head_s = max(nbytes / bw, flops_per_token * (num_chunks + num_decodes) / peak)
+        return (
+            m.num_layers * (attn_s + self.cfg.layer_overhead_s)
+            + m.num_moe_layers * moe_layer_pinned_s
+            + dense_layers_s
+            + head_s
+            + self.moe_s(tokens_per_expert, precision_ids)
+            + self.cfg.step_overhead_s
+        )
+
+    def quantize_time_s(self, n: int, k: int, precision_id: int) -> float:
+        """Downgrade one ``[n, k]`` matrix on the device: read bf16 once, write the packed format."""
+        prec = PRECISIONS[PRECISION_NAMES[precision_id]]
+        nbytes = n * k * self.model.dtype_bytes + prec.matrix_bytes(n, k)
+        return self.cfg.kernel_launch_s + nbytes / self.bw_bytes_per_s
+
+    def h2d_time_s(self, num_bytes: int) -> float:
+        """``GpuSpec.h2d_bandwidth_bytes_per_s`` is already a sustained pinned-copy figure."""
+        if num_bytes <= 0:
+            return 0.0
+        return self.cfg.kernel_launch_s + num_bytes / self.gpu.h2d_bandwidth_bytes_per_s
+
+    def describe(self) -> str:
+        return f"{self.cfg.describe()} on {self.gpu.name}"

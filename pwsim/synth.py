@@ -1,0 +1,125 @@
+"""Synthetic trace presets fitted to published statistics (``pwsim trace synth --kind NAME``).
+
+Each preset is an ordinary ``kind: synthetic`` workload, so a scenario can use the same numbers
+inline. Lengths are lognormals fitted to a median and p90 (the body and the upper tail that
+drives KV demand), clipped to the observed range; the realised figures are in traces/README.md.
+
+Sources (figures as summarised in ../shared/traces/PROVENANCE.md, computed over every row):
+
+- Mooncake conversation trace: Qin et al., "Mooncake: Trading More Storage for Less Computation -
+  A KVCache-centric Architecture for Serving LLM Chatbot", FAST 2025 (kvcache-ai/Mooncake,
+  FAST25-release/traces). Input tokens mean 12,035 / median 6,909 / p90 27,367 / min 891;
+  output median 350 / p90 597 / max 2,000; 3.40 req/s with a per-3 s count CV of 0.33, which is
+  what Poisson arrivals give at that rate (1/sqrt(10.2) = 0.31).
+- Azure LLM inference trace 2023, conversation: Patel et al., "Splitwise: Efficient generative LLM
+  inference using phase splitting", ISCA 2024 (Azure/AzurePublicDataset). 5.530 req/s, IAT CV 1.09;
+  prompt median 1,020 / p90 2,734.5 / min 2 / max 14,050; output median 129 / p90 424 / min 7 /
+  max 1,000.
+- Burstiness: Wang et al., "BurstGPT: A Real-world Workload Dataset to Optimize LLM Serving
+  Systems" (2024) fit Gamma inter-arrival times with shape < 1 to production ChatGPT/GPT-4 traffic;
+  the Azure 2023 code trace has an IAT CV of 13.15; ServeGen (Xiang et al., arXiv:2505.09999)
+  reports a rate-weighted mean per-client IAT CV of 3.58 (p90 5.52) on Alibaba Bailian.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pagedweight.workload import SyntheticWorkload, parse_workload
+
+if TYPE_CHECKING:
+    from pagedweight.traces import RequestTrace
+
+_AZURE_CONV_LENGTHS = {
+    "kind": "lognormal",
+    "prompt": {"median": 1020, "p90": 2734.5, "min": 2, "max": 14050},
+    "output": {"median": 129, "p90": 424, "min": 7, "max": 1000},
+}
+
+
+@dataclass(frozen=True)
+class SynthPreset:
+    workload: SyntheticWorkload
+    max_context_tokens: int
+    description: str
+
+
+SYNTH_PRESETS: dict[str, SynthPreset] = {
+    "longctx": SynthPreset(
+        parse_workload(
+            {
+                "kind": "synthetic",
+                # Mooncake served 3.4 req/s on a cluster; 2 req/s of ~10k-token prompts is enough to
+                # fill an H200's KV space beside FP16 Mixtral-8x7B weights.
+                "arrival": {"kind": "poisson", "rate_qps": 2.0},
+                "lengths": {
+                    "kind": "lognormal",
+                    # Clipped so prompt + output fits Mixtral-8x7B's 32,768-token context.
+                    "prompt": {"median": 6909, "p90": 27367, "min": 891, "max": 30000},
+                    "output": {"median": 350, "p90": 597, "min": 1, "max": 2000},
+                },
+                "duration_s": 600,
+            }
+        ),
+        max_context_tokens=32768,
+        description="long prompts like Mooncake's conversation trace (FAST'25), Poisson 2 req/s, 10 min",
+    ),
+    "chat": SynthPreset(
+        parse_workload(
+            {
+                "kind": "synthetic",
+                "arrival": {"kind": "gamma", "rate_qps": 5.53, "cv": 1.09},
+                "lengths": _AZURE_CONV_LENGTHS,
+                "duration_s": 600,
+            }
+        ),
+        max_context_tokens=32768,
+        description="Azure 2023 conversation-like (Splitwise, ISCA'24): Gamma 5.53 req/s, CV 1.09, 10 min",
+    ),
+    "burst": SynthPreset(
+        parse_workload(
+            {
+                "kind": "synthetic",
+                # Same mean rate and lengths as chat: only the burstiness differs. A 10-minute sample
+                # underestimates a heavy-tailed CV (over 200 seeds, process CV 4.0 measured a median
+                # of 3.97, 10th percentile 3.74; CV 4.5 measured 4.44, 10th percentile 4.14), so the
+                # process uses 4.5 for the shipped file to measure >= 4.
+                "arrival": {"kind": "gamma", "rate_qps": 5.53, "cv": 4.5},
+                "lengths": _AZURE_CONV_LENGTHS,
+                "duration_s": 600,
+            }
+        ),
+        max_context_tokens=32768,
+        description="bursty (BurstGPT-style Gamma arrivals, CV 4.5) with Azure conversation lengths, 10 min",
+    ),
+}
+
+
+def synthesize(
+    kind: str,
+    seed: int,
+    *,
+    duration_s: float | None = None,
+    num_requests: int | None = None,
+    rate_qps: float | None = None,
+    cv: float | None = None,
+) -> RequestTrace:
+    """Generate the preset ``kind`` with optional overrides; the same seed gives the same trace."""
+    from pagedweight.trace_build import build_workload  # pandas-backed; kept out of the CLI's start-up
+
+    if kind not in SYNTH_PRESETS:
+        raise ValueError(f"kind(={kind!r}) must be one of {', '.join(SYNTH_PRESETS)}")
+    preset = SYNTH_PRESETS[kind]
+    data = preset.workload.model_dump()
+    if duration_s is not None or num_requests is not None:
+        data["duration_s"], data["num_requests"] = duration_s, num_requests
+    if rate_qps is not None:
+        data["arrival"]["rate_qps"] = rate_qps
+    if cv is not None:
+        data["arrival"] = {"kind": "gamma", "rate_qps": data["arrival"]["rate_qps"], "cv": cv}
+    workload = parse_workload(data)
+    trace = build_workload(workload, ".", preset.max_context_tokens, np.random.default_rng(seed))
+    return trace.with_changes(source=f"synth:{kind}:seed={seed}")

@@ -1,0 +1,286 @@
+"""The table latency model: measured kernel times from ``pwgpu profile`` (``pagedweight.kernel_table``).
+
+At build time each op's long-format rows (per precision for ``moe_ffn`` and ``quantize``)
+become a rectilinear grid; cells the profiler skipped are filled by interpolation along each
+axis. ``moe_ffn``, looked up once per layer and precision class, is then resampled into one
+dense array ``[precision, e, m]`` so that a step's look-ups for every layer are one vectorised
+gather; the other ops are a few scalar look-ups per step. Interpolation is *linear* (bilinear
+in two keys): log-space interpolation biased a published simulator by 9-14% (LLMServingSim 2.0,
+ANCHORS.md). Resampling a bilinear interpolant at points that include the measured ones leaves
+it unchanged, so the dense array reproduces every measurement and every value between them.
+
+How a step maps onto the table's keys (all ops are per layer, times ``num_layers``):
+- ``moe_ffn(precision, m, e)``: per layer and precision class, ``e`` = active experts of that
+  class and ``m`` = their mean tokens (one fused call per class; imbalance inside a class is
+  not modelled beyond the mean).
+- ``attn_prefill(m, kv_len)`` per prefill chunk; ``attn_decode(batch, kv_len)`` at the decode
+  count and mean context (decode attention is bound by the total KV read, which the mean keeps).
+- ``dense(m)`` per MoE layer, ``lm_head(m)`` once for the step's sequences; the leading dense
+  FFN layers of DeepSeek-style models, and the per-step overhead, come from the fallback.
+
+A point outside the measured range (or an op or precision the table lacks) is timed by the
+analytic fallback, warned about once per op, and counted in ``out_of_grid``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from bisect import bisect_right
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from pagedweight.errors import SpecError
+from pagedweight.kernel_table import read_kernel_table
+from pagedweight.latency_config import TableLatencyConfig
+from pagedweight.spec import PRECISION_ID, PRECISION_NAMES, GpuSpec, ModelSpec
+from pagedweight.step import StepShape
+from pwsim.roofline import AnalyticLatencyModel
+
+# (first key, second key or None) of each op in the table.
+OP_KEYS: dict[str, tuple[str, str | None]] = {
+    "moe_ffn": ("m", "e"),
+    "attn_prefill": ("m", "kv_len"),
+    "attn_decode": ("batch", "kv_len"),
+    "dense": ("m", None),
+    "lm_head": ("m", None),
+    "quantize": ("n", "k"),
+    "h2d_copy": ("bytes", None),
+}
+PER_PRECISION_OPS = ("moe_ffn", "quantize")
+# Marks dense-grid cells outside a precision's measured range. Any query with weight on such a
+# cell comes out above OUT_OF_GRID_S, so one sum tells whether a step left the grid; a
+# multiplication by 0 keeps a query exactly on the boundary in the grid (a NaN would not).
+OUTSIDE_S = 1.0e30
+OUT_OF_GRID_S = 1.0e20
+
+
+def _fill_along(values: np.ndarray, axis_vals: np.ndarray, axis: int) -> np.ndarray:
+    """Fill NaN cells by linear interpolation along one axis, inside the measured range only."""
+    out = np.moveaxis(values.copy(), axis, 0)
+    for j in np.ndindex(out.shape[1:]):
+        col = out[(slice(None), *j)]
+        known = ~np.isnan(col)
+        if known.sum() >= 2:
+            xs = axis_vals[known]
+            inside = (axis_vals >= xs[0]) & (axis_vals <= xs[-1]) & ~known
+            col[inside] = np.interp(axis_vals[inside], xs, col[known])
+    return np.moveaxis(out, 0, axis)
+
+
+class Grid:
+    """One op's (and precision's) measured latencies in seconds on a rectilinear grid; scalar
+    bilinear look-ups in plain Python (a few per step: ~1 us each, where a numpy call on a
+    one-element array costs about as much per operation)."""
+
+    def __init__(self, xs: np.ndarray, ys: np.ndarray, values: np.ndarray):
+        self.xs, self.ys = xs.tolist(), ys.tolist()
+        self.values = values.tolist()  # [i][j] at (xs[i], ys[j])
+
+    @classmethod
+    def from_rows(cls, rows: pd.DataFrame, xcol: str, ycol: str | None, where: str) -> Grid:
+        x = rows[xcol].to_numpy(np.float64)
+        y = rows[ycol].to_numpy(np.float64) if ycol else np.zeros(len(rows))
+        own = pd.DataFrame({"x": x, "y": y, "v": rows["latency_us_p50"].to_numpy(np.float64) * 1e-6})
+        xs, ys = np.unique(x), np.unique(y)
+        table = own.pivot_table(index="x", columns="y", values="v", aggfunc="mean")
+        values = _fill_along(_fill_along(table.reindex(index=xs, columns=ys).to_numpy(), xs, 0), ys, 1)
+        if np.isnan(values).any():
+            i, j = np.argwhere(np.isnan(values))[0]
+            raise SpecError(
+                f"{where}: no measurement near {xcol}={xs[i]:g}"
+                + (f", {ycol}={ys[j]:g}" if ycol else "")
+                + " to interpolate from; the profiler writes full grids"
+            )
+        return cls(xs, ys, values)
+
+    @staticmethod
+    def _cell(axis: list[float], q: float) -> tuple[int, float]:
+        if len(axis) == 1:
+            return 0, 0.0
+        i = min(max(bisect_right(axis, q) - 1, 0), len(axis) - 2)
+        return i, (q - axis[i]) / (axis[i + 1] - axis[i])
+
+    def lookup(self, x: float, y: float = 0.0) -> float | None:
+        """Linear interpolation at (x, y); None outside the measured range."""
+        xs, ys, v = self.xs, self.ys, self.values
+        if not (xs[0] <= x <= xs[-1] and ys[0] <= y <= ys[-1]):
+            return None
+        i, tx = self._cell(xs, x)
+        j, ty = self._cell(ys, y)
+        j1 = j + 1 if len(ys) > 1 else j
+        row0 = v[i][j] + ty * (v[i][j1] - v[i][j])
+        if len(xs) == 1:
+            return row0
+        row1 = v[i + 1][j] + ty * (v[i + 1][j1] - v[i + 1][j])
+        return row0 + tx * (row1 - row0)
+
+
+class MoeGrid:
+    """``moe_ffn`` resampled once onto a dense grid ``[precision, e, m]`` for every integer e in
+    1..E and the union of the measured m values, so a step's look-ups for all layers and
+    precisions are one vectorised linear interpolation along m. The per-precision bilinear
+    interpolant is linear in m between its measured points at any fixed e, so the resampling
+    is exact. Cells outside a precision's measured range hold OUTSIDE_S; two sentinel columns
+    beyond the m range make queries past it land on them."""
+
+    def __init__(self, grids: dict[int, Grid], num_experts: int):
+        ms = np.unique(np.concatenate([np.asarray(g.xs) for g in grids.values()]))
+        lo, hi = ms[0], ms[-1]
+        self.ms = np.concatenate([[lo - max(1.0, lo)], ms, [2 * hi + 1]])
+        self.num_experts = num_experts
+        values = np.full((len(PRECISION_NAMES), num_experts, len(self.ms)), OUTSIDE_S)
+        for pid, grid in grids.items():
+            for e in range(1, num_experts + 1):
+                for c, m in enumerate(self.ms.tolist()):
+                    v = grid.lookup(m, e)
+                    if v is not None:
+                        values[pid, e - 1, c] = v
+        self.flat = values.ravel()
+        self.interior = self.ms[1:-1]
+        self.inv_dm = 1.0 / np.diff(self.ms)
+
+    def lookup(self, precision_ids: np.ndarray, m: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """Seconds per (precision, e, m) query; above OUT_OF_GRID_S where outside the grid."""
+        c = np.searchsorted(self.interior, m, side="right")  # cell index, already within [0, len - 2]
+        t = (m - self.ms[c]) * self.inv_dm[c]
+        base = (precision_ids * self.num_experts + (e - 1)) * len(self.ms) + c
+        v0 = self.flat[base]
+        return v0 + t * (self.flat[base + 1] - v0)
+
+
+class TableLatencyModel:
+    name = "table"
+
+    def __init__(self, cfg: TableLatencyConfig, model: ModelSpec, gpu: GpuSpec, base_dir: str | Path):
+        self.cfg, self.model = cfg, model
+        self.path = cfg.resolved_path(base_dir)
+        self.fallback = AnalyticLatencyModel(cfg.fallback, model, gpu)
+        df, self.meta = read_kernel_table(self.path)
+        table_model = cfg.model or model.name
+        mine = df[df["model"] == table_model]
+        if mine.empty:
+            known = ", ".join(sorted(df["model"].unique()))
+            raise SpecError(f"{self.path}: no rows for model {table_model!r}; the table has: {known}")
+        # op -> Grid for single-channel ops; (op, precision id) -> Grid for per-precision ops.
+        self.grids: dict[str | tuple[str, int], Grid] = {}
+        for op, (xcol, ycol) in OP_KEYS.items():
+            rows = mine[mine["op"] == op]
+            if rows.empty and op == "h2d_copy":
+                rows = df[df["op"] == op]  # copy bandwidth does not depend on the model measured
+            if rows.empty:
+                continue
+            if op not in PER_PRECISION_OPS:  # one grid whatever the precision column says
+                self.grids[op] = Grid.from_rows(rows, xcol, ycol, f"{self.path}: op {op}")
+                continue
+            for prec, part in rows.groupby("precision"):
+                if prec in PRECISION_ID:
+                    grid = Grid.from_rows(part, xcol, ycol, f"{self.path}: op {op}, precision {prec}")
+                    self.grids[(op, PRECISION_ID[prec])] = grid
+        moe = {key[1]: g for key, g in self.grids.items() if isinstance(key, tuple) and key[0] == "moe_ffn"}
+        self.moe_grid = MoeGrid(moe, model.num_experts) if moe else None
+        self.out_of_grid: Counter[str] = Counter()
+        self._warned: set[str] = set()
+        self._num_precisions = len(PRECISION_NAMES)
+        self._layer_base = (np.arange(model.num_moe_layers) * self._num_precisions)[:, None]
+
+    # ---- out-of-grid bookkeeping ---------------------------------------------------------
+    def _miss(self, key: str, count: int, example: str) -> None:
+        self.out_of_grid[key] += count
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(
+                f"latency table {self.cfg.path}: {key} at {example} is outside the measured grid; "
+                "timing such points with the analytic fallback (counts in out_of_grid)",
+                stacklevel=3,
+            )
+
+    def _one(self, op: str, key: str | tuple[str, int], x: float, y: float, analytic) -> float:
+        """One look-up: table seconds in the grid, else ``analytic()`` (counted and warned once)."""
+        grid = self.grids.get(key)
+        if grid is not None:
+            v = grid.lookup(x, y)
+            if v is not None:
+                return v
+            xcol, ycol = OP_KEYS[op]
+            name = op if isinstance(key, str) else f"{op}/{PRECISION_NAMES[key[1]]}"
+            self._miss(name, 1, f"{xcol}={x:g}" + (f", {ycol}={y:g}" if ycol else ""))
+        else:
+            name = op if isinstance(key, str) else f"{op}/{PRECISION_NAMES[key[1]]}"
+            self._miss(f"{name} (not in table)", 1, "every point")
+        return float(analytic())
+
+    # ---- the LatencyModel interface ------------------------------------------------------
+    def moe_s(self, tokens_per_expert: np.ndarray, precision_ids: np.ndarray) -> float:
+        """One ``moe_ffn`` call per (layer, precision class) with active experts."""
+        active = tokens_per_expert > 0
+        key = (self._layer_base + precision_ids)[active]
+        size = self.model.num_moe_layers * self._num_precisions
+        num_active = np.bincount(key, minlength=size)
+        present = np.flatnonzero(num_active)
+        e = num_active[present]
+        m = np.bincount(key, weights=tokens_per_expert[active], minlength=size)[present] / e
+        prec = present % self._num_precisions
+        if self.moe_grid is None:
+            vals = self.fallback.moe_class_s(prec, m, e)
+            for pid in np.unique(prec).tolist():
+                self._miss(f"moe_ffn/{PRECISION_NAMES[pid]} (not in table)", int((prec == pid).sum()), "every point")
+            return float(vals.sum())
+        vals = self.moe_grid.lookup(prec, m, e)
+        total = float(vals.sum())
+        if total < OUT_OF_GRID_S:
+            return total
+        bad = vals >= OUT_OF_GRID_S
+        vals[bad] = self.fallback.moe_class_s(prec[bad], m[bad], e[bad])
+        for pid in np.unique(prec[bad]).tolist():
+            sel = bad & (prec == pid)
+            example = f"m={m[sel][0]:g}, e={e[sel][0]}"
+            self._miss(f"moe_ffn/{PRECISION_NAMES[pid]}", int(sel.sum()), example)
+        return float(vals.sum())
+
+    def step_time_s(self, shape: StepShape, tokens_per_expert: np.ndarray, precision_ids: np.ndarray) -> float:
+        md, fb = self.model, self.fallback
+        num_decodes = len(shape.decode_kv_lens)
+        num_chunks = len(shape.prefill_tokens)
+        num_tokens = (int(shape.prefill_tokens.sum()) if num_chunks else 0) + num_decodes
+        if num_tokens == 0:
+            return 0.0
+        attn_s = 0.0
+        if num_chunks:
+            for q, kv in zip(shape.prefill_tokens.tolist(), shape.prefill_kv_lens.tolist(), strict=True):
+                attn_s += self._one("attn_prefill", "attn_prefill", q, kv, lambda q=q, kv=kv: fb.attn_prefill_s(q, kv))
+        if num_decodes:
+            total_kv = float(shape.decode_kv_lens.sum())
+            mean_kv = total_kv / num_decodes
+            attn_s += self._one(
+                "attn_decode", "attn_decode", num_decodes, mean_kv, lambda: fb.attn_decode_s(num_decodes, total_kv)
+            )
+        dense_s = self._one("dense", "dense", num_tokens, 0.0, lambda: fb.dense_s(num_tokens))
+        num_seqs = num_chunks + num_decodes
+        head_s = self._one("lm_head", "lm_head", num_seqs, 0.0, lambda: fb.lm_head_s(num_seqs))
+        dense_layers_s = md.num_dense_layers * float(fb.dense_layer_s(num_tokens)) if md.num_dense_layers else 0.0
+        return (
+            md.num_layers * attn_s
+            + md.num_moe_layers * dense_s
+            + dense_layers_s
+            + head_s
+            + self.moe_s(tokens_per_expert, precision_ids)
+            + self.cfg.fallback.step_overhead_s
+        )
+
+    def quantize_time_s(self, n: int, k: int, precision_id: int) -> float:
+        key = ("quantize", int(precision_id))
+        return self._one("quantize", key, n, k, lambda: self.fallback.quantize_time_s(n, k, precision_id))
+
+    def h2d_time_s(self, num_bytes: int) -> float:
+        if num_bytes <= 0:
+            return 0.0
+        return self._one("h2d_copy", "h2d_copy", num_bytes, 0.0, lambda: self.fallback.h2d_time_s(num_bytes))
+
+    def describe(self) -> str:
+        return (
+            f"table {self.cfg.path} ({self.meta.get('device')}, {self.meta.get('date')}); "
+            f"outside the grid: {self.cfg.fallback.describe()}"
+        )

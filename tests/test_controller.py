@@ -1,0 +1,154 @@
+"""The precision controller on scripted KV demand, through the same RuntimeCore both runtimes use.
+
+A fake backend completes upgrades a fixed number of steps after they start (a copy engine), so
+pages really are in flight while KV demand moves."""
+
+import numpy as np
+import pytest
+
+from pagedweight.controller import ControllerSettings
+from pagedweight.importance import synthetic_table
+from pagedweight.pool import OWNER_KV, OWNER_PINNED, OWNER_TRANSITION
+from pagedweight.runtime import CoreConfig, RuntimeCore
+from pagedweight.scheduler import Request, SchedulerConfig
+from pagedweight.spec import PRECISION_ID, load_model
+
+MODEL = load_model("tiny-moe")
+PAGE = 16 * 1024  # small pages: the tiny model's INT4 matrix is 67 KB
+
+
+class Clock:
+    def __init__(self):
+        self.now_s = 0.0
+
+    def __call__(self):
+        return self.now_s
+
+
+class DelayedCopies:
+    """Upgrades land ``delay_steps`` steps after they start; downgrades are immediate."""
+
+    def __init__(self, delay_steps=3):
+        self.delay_steps = delay_steps
+        self.pending = []  # (due step, transition)
+        self.events = []
+        self.step = 0
+
+    def downgrade(self, t):
+        self.events.append(("downgrade", t.expert))
+
+    def start_upgrade(self, t):
+        self.pending.append((self.step + self.delay_steps, t))
+
+    def abort_upgrade(self, t):
+        self.events.append(("abort", t.expert))
+
+    def land(self, core):
+        due = [t for s, t in self.pending if s <= self.step]
+        self.pending = [(s, t) for s, t in self.pending if s > self.step]
+        for t in due:
+            core.complete_upgrade(t)
+
+
+def make_core(policy="pagedweight", budget_mib=40, **settings):
+    table = synthetic_table(MODEL, ("bf16", "int8", "int4"), seed=1)
+    cfg = CoreConfig(
+        model=MODEL,
+        budget_bytes=budget_mib * 2**20,
+        page_bytes=PAGE,
+        kv_block_tokens=8,
+        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048),
+        controller=ControllerSettings(**settings),
+    )
+    clock, backend = Clock(), DelayedCopies()
+    return RuntimeCore(cfg, policy, table, backend, clock), clock, backend
+
+
+def drive(core, clock, backend, demand, step_s=0.05):
+    """Run the scheduler for ``len(demand)`` steps; ``demand[i]`` requests are submitted at step i."""
+    log = []
+    rid = 0
+    for i, n_new in enumerate(demand):
+        for _ in range(n_new):
+            core.scheduler.add(Request(rid, clock.now_s, 400, 60))
+            rid += 1
+        backend.step = i
+        backend.land(core)
+        core.plan_step()
+        batch = core.scheduler.schedule(clock.now_s)
+        shape = batch.shape()
+        clock.now_s += step_s
+        core.scheduler.finish_step(batch, clock.now_s)
+        core.record_step(clock.now_s - step_s, step_s, batch, shape)
+        pool = core.pool
+        pool.check()
+        core.kv.check()
+        # Never over budget, counting pages in flight: every page has exactly one owner.
+        used = pool.num_owned(OWNER_PINNED) + pool.num_weight_pages() + pool.num_owned(OWNER_TRANSITION)
+        assert used + pool.num_owned(OWNER_KV) + pool.num_free == pool.num_pages
+        in_flight = sum(len(t.pages) for t in core.page_table.in_flight.values())
+        assert in_flight == pool.num_owned(OWNER_TRANSITION)
+        log.append((len(batch.preempted), core.page_table.precision_ids.copy(), dict(core.page_table.in_flight)))
+    return log
+
+
+def sawtooth(num_cycles=4, burst=12, quiet=60):
+    return ([burst] + [0] * quiet) * num_cycles
+
+
+def test_pressure_downgrades_then_load_drop_restores():
+    core, clock, backend = make_core(min_dwell_s=0.5)
+    top = PRECISION_ID["bf16"]
+    assert (core.page_table.precision_ids == top).all()  # room for everything at start
+    log = drive(core, clock, backend, [16] + [0] * 400)
+    lowest = min(len(np.flatnonzero(ids != top)) for _, ids, _ in log)
+    most_down = max(len(np.flatnonzero(ids != top)) for _, ids, _ in log)
+    assert most_down > 0, "KV pressure must move some experts below bf16"
+    assert lowest == 0 and (log[-1][1] == top).all(), "precision must come back when load drops"
+    assert not core.scheduler.has_work()
+
+
+def test_downgrades_come_before_any_preemption():
+    core, clock, backend = make_core(budget_mib=18)
+    floor = core.setup.floor_ids
+    log = drive(core, clock, backend, [40] + [0] * 600)
+    preempting = [ids for n, ids, in_flight in log if n]
+    assert preempting, "this budget is meant to force preemptions even at the floor"
+    for ids in preempting:
+        # A step may only preempt once every expert sits at the policy's floor.
+        assert (core.page_table.pages_by_id[ids] <= core.page_table.pages_by_id[floor]).all()
+
+
+@pytest.mark.parametrize("dwell_s", [0.5, 2.0])
+def test_flips_per_expert_are_bounded_by_the_dwell_time(dwell_s):
+    core, clock, backend = make_core(min_dwell_s=dwell_s)
+    drive(core, clock, backend, sawtooth())
+    times = {}
+    for t_s, expert, _, _, _, kind, _ in core.transitions:
+        if kind in ("upgrade", "downgrade"):
+            times.setdefault(expert, []).append(t_s)
+    assert times, "the sawtooth must cause precision changes"
+    window_s = 5.0
+    # Upgrades wait min_dwell_s after any change; downgrades may follow an upgrade at once, so
+    # a window holds at most two changes per dwell period, plus the one it starts in.
+    bound = 2 * (window_s / dwell_s) + 2
+    for expert, ts in times.items():
+        ts = np.array(ts)
+        worst = max(np.sum((ts >= t) & (ts < t + window_s)) for t in ts)
+        assert worst <= bound, (expert, ts)
+
+
+def test_paper_greedy_follows_kv_both_ways():
+    core, clock, backend = make_core("paper-greedy")
+    drive(core, clock, backend, sawtooth(num_cycles=2))
+    kinds = {r[5] for r in core.transitions}
+    assert {"downgrade", "upgrade"} <= kinds
+
+
+@pytest.mark.parametrize("policy", ["static-fp16", "static-int4", "static-mixed", "kv-swap"])
+def test_static_policies_never_change_precision(policy):
+    core, clock, backend = make_core(policy)
+    start = core.page_table.precision_ids.copy()
+    drive(core, clock, backend, [30] + [0] * 200)
+    assert core.controller is None and not core.transitions
+    assert (core.page_table.precision_ids == start).all()

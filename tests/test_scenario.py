@@ -1,0 +1,60 @@
+"""Scenario files: a good one loads; every malformed one is rejected with the expected message.
+
+Each file under fixtures/scenarios/bad/ starts with ``# expect: <text>``; the error must name
+the file and contain that text (which carries the key path and what is allowed)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pagedweight.errors import ScenarioError
+from pagedweight.scenario import load_scenario, parse_bytes
+
+FIXTURES = Path(__file__).parent / "fixtures" / "scenarios"
+BAD = sorted((FIXTURES / "bad").glob("*.yaml"))
+
+
+def test_good_scenario_loads_with_defaults():
+    loaded = load_scenario(FIXTURES / "good.yaml")
+    s = loaded.scenario
+    assert loaded.budget_bytes == 64 * 2**20
+    assert s.memory.page_bytes == 64 * 2**10 and s.memory.precisions == ("bf16", "fp8", "int8", "int4")
+    assert s.policies == ("static-fp16", "pagedweight") and s.slo.ttft_ms == 500
+    assert loaded.max_model_len == loaded.model.max_context_tokens == 2048
+    assert s.latency.kind == "analytic" and s.importance.kind == "synthetic"
+
+
+def test_there_are_many_malformed_examples():
+    assert len(BAD) >= 12
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
+def test_malformed_scenario_is_rejected_with_a_clear_message(path):
+    expect = re.match(r"# expect: (.*)", path.read_text()).group(1)
+    with pytest.raises(ScenarioError) as err:
+        load_scenario(path)
+    msg = str(err.value)
+    assert str(path) in msg
+    assert expect in msg, msg
+
+
+def test_overrides_are_validated_like_the_file():
+    loaded = load_scenario(FIXTURES / "good.yaml", ["memory.budget=128 MiB", "scheduler.max_num_seqs=8"])
+    assert loaded.budget_bytes == 128 * 2**20 and loaded.scenario.scheduler.max_num_seqs == 8
+    with pytest.raises(ScenarioError, match="scheduler.max_num_seq: unknown key"):
+        load_scenario(FIXTURES / "good.yaml", ["scheduler.max_num_seq=8"])
+    with pytest.raises(ScenarioError, match="expected key.path=value"):
+        load_scenario(FIXTURES / "good.yaml", ["seed"])
+
+
+def test_missing_scenario_file():
+    with pytest.raises(ScenarioError, match="does not exist"):
+        load_scenario(FIXTURES / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    "text, expected", [(2097152, 2097152), ("2 MiB", 2097152), ("80GB", 80 * 10**9), ("1.5e3", 1500), ("4kib", 4096)]
+)
+def test_sizes(text, expected):
+    assert parse_bytes(text) == expected

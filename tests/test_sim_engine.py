@@ -1,0 +1,129 @@
+"""The SimPy runtime: determinism, same-time event ordering, a hand-checked run, a golden run."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import simpy
+import yaml
+
+from pagedweight.scenario import load_scenario
+from pwsim.engine import UrgentTimeout
+from pwsim.run import run_scenario
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GOLDEN = FIXTURES / "golden" / "good_summary.json"
+GOLDEN_KEYS = (
+    "completed",
+    "total_output_tokens",
+    "num_preemptions",
+    "num_steps",
+    "request_throughput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "mean_quality_proxy",
+    "num_downgrades",
+    "num_upgrades",
+)
+
+
+def scenario(tmp_path, **overrides):
+    base = yaml.safe_load((FIXTURES / "scenarios" / "good.yaml").read_text())
+    for key, value in overrides.items():
+        node = base
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return load_scenario(path)
+
+
+def test_urgent_events_fire_before_normal_ones_at_the_same_time():
+    env, order = simpy.Environment(), []
+
+    def step(env):
+        yield env.timeout(1.0)
+        order.append("step")
+
+    def arrival(env):
+        yield UrgentTimeout(env, 1.0)
+        order.append("arrival")
+
+    env.process(step(env))  # scheduled first, yet must fire second
+    env.process(arrival(env))
+    env.run()
+    assert order == ["arrival", "step"]
+
+
+def test_a_request_arriving_as_a_step_ends_joins_the_next_step(tmp_path):
+    loaded = scenario(
+        tmp_path,
+        latency={"kind": "constant", "step_time_s": 0.5},
+        workload={"kind": "synthetic", "arrival": {"kind": "poisson", "rate_qps": 1.0},
+                  "lengths": {"kind": "fixed", "prompt_tokens": 10, "output_tokens": 3}, "num_requests": 2},
+    )  # fmt: skip
+    from pagedweight.runtime import core_config
+    from pagedweight.scenario import importance_table
+    from pagedweight.traces import RequestTrace
+    from pwsim.engine import SimEngine
+    from pwsim.latency import build_latency_model
+
+    # Second arrival at exactly t = 1.0, when the second step (0.5 -> 1.0) ends.
+    trace = RequestTrace(np.array([0.0, 1.0]), np.array([10, 10]), np.array([3, 3]), source="test")
+    lat = build_latency_model(loaded.scenario.latency, loaded.model, loaded.gpu)
+    eng = SimEngine(core_config(loaded), "static-fp16", trace, importance_table(loaded), lat, "uniform", seed=0)
+    eng.run()
+    a, b = eng.requests
+    assert a.first_scheduled_s == 0.0 and a.finish_s == 1.5  # 3 steps: prefill + 2 decodes
+    assert b.first_scheduled_s == 1.0  # not 1.5: the arrival at 1.0 comes before the step at 1.0
+
+
+def test_constant_latency_throughput_by_hand(tmp_path):
+    # 8 requests at t=0, prompt 100 (all 800 prompt tokens fit one 8192-token step), 20 outputs
+    # each: one prefill step, then 19 decode steps, each 10 ms: the run lasts 200 ms.
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join('{"timestamp": 0, "input_length": 100, "output_length": 20}\n' for _ in range(8)))
+    loaded = scenario(
+        tmp_path,
+        latency={"kind": "constant", "step_time_s": 0.01},
+        workload={"kind": "trace", "path": str(trace), "format": "mooncake"},
+        policies=["static-fp16"],
+    )
+    s = run_scenario(loaded, tmp_path / "out", report=False)["policies"]["static-fp16"]
+    assert s["completed"] == 8 and s["num_steps"] == 20
+    assert s["duration_s"] == pytest.approx(0.2, abs=1e-6)
+    assert s["output_throughput"] == pytest.approx(8 * 20 / 0.2, rel=1e-6)
+    assert s["mean_ttft_ms"] == pytest.approx(10.0, abs=1e-3) and s["mean_tpot_ms"] == pytest.approx(10.0, abs=1e-3)
+
+
+def _golden_view(summary):
+    return {p: {k: round(v[k], 6) if isinstance(v[k], float) else v[k] for k in GOLDEN_KEYS}
+            for p, v in summary["policies"].items()}  # fmt: skip
+
+
+def test_same_seed_same_results_and_golden_summary(tmp_path):
+    # Tiny model, a budget that forces KV pressure: every policy has something to do.
+    overrides = [
+        "memory.budget=40 MiB",
+        "memory.page_bytes=16 KiB",
+        "memory.kv_block_tokens=8",
+        "workload.num_requests=150",
+        "workload.arrival.rate_qps=400",
+        "workload.lengths.prompt_tokens=600",
+        "workload.lengths.output_tokens=60",
+        "policies=[static-fp16, static-int4, paper-greedy, pagedweight]",
+    ]
+    loaded = load_scenario(FIXTURES / "scenarios" / "good.yaml", overrides)  # fmt: skip
+    first = run_scenario(loaded, tmp_path / "a", report=False)
+    second = run_scenario(loaded, tmp_path / "b", report=False)
+    assert _golden_view(first) == _golden_view(second)
+    assert (tmp_path / "a" / "steps.csv").read_text() == (tmp_path / "b" / "steps.csv").read_text()
+    if not GOLDEN.exists():  # first run on a new schema: write it, and the diff shows it in review
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(_golden_view(first), indent=2, sort_keys=True) + "\n")
+    assert _golden_view(first) == json.loads(GOLDEN.read_text())
