@@ -126,7 +126,8 @@ class RoutingSampler:
         self.systematic_limit_points = systematic_limit_points
         self._systematic_max_picks = SYSTEMATIC_MAX_MEAN_COUNT * num_experts
         self.probs = waterfill_top_k(freqs, k)  # (L, E), rows sum to 1
-        self.inclusion = k * self.probs  # (L, E), rows sum to k, every entry <= 1
+        # (L, E), rows sum to k; clipped because rounding in the water-fill can leave 1 + 1e-16.
+        self.inclusion = np.minimum(k * self.probs, 1.0)
         self._num_layers, self._num_experts = num_layers, num_experts
         self._layer_ids = np.arange(num_layers)
         # Systematic sampling: row l's running inclusion sum shifted by l * k, so that one
