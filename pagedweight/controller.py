@@ -92,7 +92,13 @@ class Controller:
         self.last_change_s = np.full(page_table.num_experts, -np.inf)
         self._copy_credit_bytes = float(settings.max_in_flight_bytes)
         self._last_plan_s: float | None = None
+        # Re-planning upgrades costs a solve (~30 us for Mixtral, ~0.3 ms at DeepSeek-V3 scale);
+        # redo it only when memory moved by at least one expert's smallest step, or when the
+        # last plan left upgrades waiting (for copy budget or for an expert's dwell time).
         self._planned_for: tuple[int, int] | None = None  # (room, weight pages) of the last upgrade plan
+        steps = np.diff(np.sort(np.unique(page_table.pages_by_id[self.ladder_ids])))
+        self._replan_pages = int(steps.min()) if len(steps) else 1
+        self._upgrades_pending = False
 
     # ---- accounting -------------------------------------------------------------------------
     def weight_pages(self) -> int:
@@ -149,10 +155,7 @@ class Controller:
             return []
         dt = 0.0 if self._last_plan_s is None else now_s - self._last_plan_s
         self._last_plan_s = now_s
-        credit = min(s.max_in_flight_bytes, self._copy_credit_bytes + dt * s.copy_budget_bytes_per_s)
-        # Re-planning upgrades costs a solve; redo it only when memory or the copy budget moved.
-        self._credit_grew = credit > self._copy_credit_bytes
-        self._copy_credit_bytes = credit
+        self._copy_credit_bytes = min(s.max_in_flight_bytes, self._copy_credit_bytes + dt * s.copy_budget_bytes_per_s)
         if self.mode == "paper-greedy":
             room = self._available_weight_pages(0, 0)
             if room < self.weight_pages():
@@ -169,7 +172,7 @@ class Controller:
         spare = room - self.weight_pages()
         if spare < 0:
             changes = self._shrink_to(room)
-        elif spare > high - low and (self._planned_for != (room, self.pool.num_weight_pages()) or self._credit_grew):
+        elif spare > high - low and (self._memory_moved(room) or self._upgrades_pending):
             # Hysteresis: only memory beyond the high watermark goes back to weights.
             self._planned_for = (room, self.pool.num_weight_pages())
             plan = self._plan(room - (high - low))
@@ -180,6 +183,12 @@ class Controller:
         return changes
 
     # ---- helpers ------------------------------------------------------------------------------
+    def _memory_moved(self, room: int) -> bool:
+        if self._planned_for is None:
+            return True
+        last_room, last_weights = self._planned_for
+        return abs(room - last_room) >= self._replan_pages or last_weights != self.pool.num_weight_pages()
+
     def _shrink_to(self, budget_pages: int, fallback_pages: int | None = None) -> list[Change]:
         """Abort upgrades in flight, then downgrade to the plan for ``budget_pages`` of weights
         (or ``fallback_pages``, or the lowest precisions, whichever first fits)."""
@@ -208,7 +217,9 @@ class Controller:
         if not len(grow):
             return []
         if budgeted:
-            grow = grow[now_s - self.last_change_s[grow] >= self.settings.min_dwell_s]
+            rested = now_s - self.last_change_s[grow] >= self.settings.min_dwell_s
+            self._upgrades_pending = not rested.all()
+            grow = grow[rested]
             if not len(grow):
                 return []
             # Most loss recovered per byte first: the copy budget buys the best upgrades.
@@ -229,6 +240,7 @@ class Controller:
             if budgeted and (
                 nbytes > self._copy_credit_bytes or in_flight_bytes + nbytes > self.settings.max_in_flight_bytes
             ):
+                self._upgrades_pending = True
                 break
             changes.append(Change(UPGRADE, e, int(target[e])))
             free -= pages
