@@ -12,6 +12,7 @@ COMMANDS: dict[str, str] = {
     "allocate": "pwsim.commands.allocate",
     "importance": "pwsim.commands.importance",
     "trace": "pwsim.commands.trace",
+    "validate": "pwsim.commands.validate",
 }
 
 main = build_main(

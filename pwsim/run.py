@@ -66,6 +66,9 @@ def run_scenario(
             bar.close()
         summary = policy_summary(eng.requests, eng.core, slo, time.perf_counter() - wall0, eng.bytes_h2d)
         writer.add(policy, eng.requests, eng.core, summary)
+    out_of_grid = getattr(latency, "out_of_grid", None)
+    if out_of_grid:  # points the latency table did not cover: timed by the analytic fallback
+        writer.meta["out_of_grid"] = dict(out_of_grid)
     meta = writer.write(yaml.safe_dump(sc.model_dump(mode="json"), sort_keys=False))
     if report:
         from pagedweight.report import write_report

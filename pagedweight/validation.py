@@ -1,0 +1,148 @@
+"""Compare a simulated run with a real run of the same scenario: signed % errors per metric.
+
+Works only from two results directories (``pagedweight.results``), so it compares whatever
+produced them. Error = (simulated - real) / real * 100: positive means the simulator
+over-predicts. ``validation.json`` holds every figure and the bounds they were checked against.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from pagedweight.errors import PagedWeightError
+
+# Metric -> bound on |error| in % (None: reported, not checked). The GPU targets of the
+# validation issue: throughput and mean TPOT within 5%, P50/P99 TTFT within 10%.
+GPU_BOUNDS_PERC = {
+    "output_throughput": 5.0,
+    "request_throughput": 5.0,
+    "mean_tpot_ms": 5.0,
+    "median_ttft_ms": 10.0,
+    "p99_ttft_ms": 10.0,
+}
+METRICS = (
+    "request_throughput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p90_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p90_tpot_ms",
+    "p99_tpot_ms",
+    "mean_e2el_ms",
+    "median_e2el_ms",
+    "p90_e2el_ms",
+    "p99_e2el_ms",
+    "num_preemptions",
+    "mean_kv_cache_usage_perc",
+    "num_downgrades",
+    "num_upgrades",
+)
+
+
+def signed_error_perc(sim: float, real: float) -> float:
+    if real is None or sim is None or math.isnan(real) or math.isnan(sim):
+        return float("nan")
+    if real == 0:
+        return 0.0 if sim == 0 else float("inf") * (1 if sim > 0 else -1)
+    return (sim - real) / abs(real) * 100.0
+
+
+def _load(d: Path) -> tuple[dict, pd.DataFrame | None, pd.DataFrame | None]:
+    s = d / "summary.json"
+    if not s.is_file():
+        raise PagedWeightError(f"{d}: no summary.json; expected a results directory from pwsim run or pwgpu")
+    steps = pd.read_csv(d / "steps.csv") if (d / "steps.csv").is_file() else None
+    tr = pd.read_csv(d / "transitions.csv") if (d / "transitions.csv").is_file() else None
+    return json.loads(s.read_text()), steps, tr
+
+
+def _weight_bytes_over_time(steps: pd.DataFrame, page_bytes: int, grid_s: np.ndarray) -> dict[str, np.ndarray]:
+    """Weight bytes per precision sampled on a common time grid (step-wise constant)."""
+    out = {}
+    idx = np.searchsorted(steps["start_s"].to_numpy(), grid_s, side="right") - 1
+    idx = np.clip(idx, 0, len(steps) - 1)
+    for c in steps.columns:
+        if c.startswith("weight_pages_") and steps[c].any():
+            out[c.removeprefix("weight_pages_")] = steps[c].to_numpy()[idx] * page_bytes
+    return out
+
+
+def compare(real_dir: str | Path, sim_dir: str | Path, bounds: dict[str, float] | None = None) -> dict:
+    real_dir, sim_dir = Path(real_dir), Path(sim_dir)
+    real, real_steps, real_tr = _load(real_dir)
+    sim, sim_steps, sim_tr = _load(sim_dir)
+    if real.get("scenario") != sim.get("scenario"):
+        raise PagedWeightError(
+            f"{real_dir} is scenario {real.get('scenario')!r} but {sim_dir} is {sim.get('scenario')!r}: "
+            "validation compares runs of the same scenario"
+        )
+    bounds = GPU_BOUNDS_PERC if bounds is None else bounds
+    out = {
+        "scenario": real.get("scenario"),
+        "real": {"dir": str(real_dir), "runtime": real.get("runtime"), "timed_by": real.get("latency_model")},
+        "sim": {"dir": str(sim_dir), "runtime": sim.get("runtime"), "timed_by": sim.get("latency_model")},
+        "bounds_perc": bounds,
+        "policies": {},
+    }
+    for policy, r in real["policies"].items():
+        s = sim["policies"].get(policy)
+        if s is None or "error" in r or "error" in s:
+            continue
+        rows = {}
+        for m in METRICS:
+            if m in r and m in s:
+                err = signed_error_perc(s[m], r[m])
+                bound = bounds.get(m)
+                rows[m] = {
+                    "real": r[m],
+                    "sim": s[m],
+                    "error_perc": err,
+                    "bound_perc": bound,
+                    "ok": None if bound is None else bool(abs(err) <= bound),
+                }
+        entry = {"metrics": rows}
+        if real_steps is not None and sim_steps is not None:
+            rs, ss = real_steps[real_steps["policy"] == policy], sim_steps[sim_steps["policy"] == policy]
+            if len(rs) and len(ss):
+                end_s = float(min(rs["start_s"].max(), ss["start_s"].max()))
+                grid = np.linspace(0.0, end_s, 200)
+                wr = _weight_bytes_over_time(rs, real["page_bytes"], grid)
+                ws = _weight_bytes_over_time(ss, sim["page_bytes"], grid)
+                entry["weight_bytes_mean_abs_error_perc"] = {
+                    p: float(np.mean(np.abs(ws.get(p, 0 * grid) - wr[p])) / max(np.mean(wr[p]), 1.0) * 100) for p in wr
+                }
+        if real_tr is not None and sim_tr is not None:
+            rt = real_tr[(real_tr["policy"] == policy) & (real_tr["kind"] != "abort")]
+            st = sim_tr[(sim_tr["policy"] == policy) & (sim_tr["kind"] != "abort")]
+            entry["transitions"] = {
+                "real": len(rt),
+                "sim": len(st),
+                "first_real_s": float(rt["time_s"].min()) if len(rt) else None,
+                "first_sim_s": float(st["time_s"].min()) if len(st) else None,
+            }
+        out["policies"][policy] = entry
+    if real.get("out_of_grid") or sim.get("out_of_grid"):
+        out["out_of_grid"] = sim.get("out_of_grid")
+    checked = [row["ok"] for e in out["policies"].values() for row in e["metrics"].values() if row["ok"] is not None]
+    out["all_within_bounds"] = all(checked)  # vacuously true when no bound is checked
+    return out
+
+
+def format_validation(v: dict) -> str:
+    lines = [f"validation of {v['scenario']}: {v['sim']['dir']} (sim) vs {v['real']['dir']} (real)"]
+    for policy, e in v["policies"].items():
+        lines.append(f"  {policy}")
+        for m, row in e["metrics"].items():
+            flag = "" if row["ok"] is None else ("  ok" if row["ok"] else f"  OUT OF +-{row['bound_perc']:g}%")
+            lines.append(
+                f"    {m:26s} real {row['real']:12.4g}  sim {row['sim']:12.4g}  {row['error_perc']:+8.1f}%{flag}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""pwsim validate: signed errors between two results directories, bounds, exit codes."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedweight.errors import PagedWeightError
+from pagedweight.scenario import load_scenario
+from pagedweight.validation import compare, signed_error_perc
+from pwsim.cli import main
+from pwsim.run import run_scenario
+
+GOOD = Path(__file__).parent / "fixtures" / "scenarios" / "good.yaml"
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("validate")
+    run_scenario(load_scenario(GOOD), base / "real", report=False)
+    # A different scheduler limit stands in for a simulator that gets the batch size wrong.
+    run_scenario(load_scenario(GOOD, ["scheduler.max_num_seqs=1"]), base / "sim", report=False)
+    return base / "real", base / "sim"
+
+
+def test_signed_error():
+    assert signed_error_perc(110.0, 100.0) == pytest.approx(10.0)
+    assert signed_error_perc(90.0, 100.0) == pytest.approx(-10.0)
+    assert signed_error_perc(0.0, 0.0) == 0.0
+
+
+def test_identical_runs_have_zero_error(two_runs):
+    real, _ = two_runs
+    v = compare(real, real)
+    assert v["all_within_bounds"]
+    for e in v["policies"].values():
+        assert all(row["error_perc"] == 0 for row in e["metrics"].values())
+        assert all(err == 0 for err in e["weight_bytes_mean_abs_error_perc"].values())
+
+
+def test_a_wrong_simulation_is_caught(two_runs, tmp_path):
+    real, sim = two_runs
+    v = compare(real, sim)
+    ttft = v["policies"]["static-fp16"]["metrics"]["p99_ttft_ms"]
+    assert ttft["error_perc"] > 10 and ttft["ok"] is False and not v["all_within_bounds"]
+    out = tmp_path / "v.json"
+    assert main(["validate", "--real", str(real), "--sim", str(sim), "--out", str(out), "--check"]) == 1
+    assert json.loads(out.read_text())["scenario"] == "good"
+    assert main(["validate", "--real", str(real), "--sim", str(sim), "--out", str(out), "--no-bounds", "--check"]) == 0
+    assert main(["validate", "--real", str(real), "--sim", str(real), "--out", str(out), "--check"]) == 0
+
+
+def test_different_scenarios_are_refused(two_runs, tmp_path):
+    real, _ = two_runs
+    other = tmp_path / "other"
+    other.mkdir()
+    summary = json.loads((real / "summary.json").read_text())
+    summary["scenario"] = "chat"
+    (other / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(PagedWeightError, match="same scenario"):
+        compare(real, other)
