@@ -29,7 +29,7 @@ import numpy as np
 
 from pagedweight.allocate import Plan, Problem, paper_greedy
 from pagedweight.allocate_hull import MarginalPlanner
-from pagedweight.importance import ImportanceTable
+from pagedweight.importance import ImportanceTable, RoutingTracker
 from pagedweight.pagetable import ExpertPageTable
 from pagedweight.pool import OWNER_KV, OWNER_PINNED, KvBlockAllocator
 from pagedweight.spec import PRECISION_ID, PRECISION_NAMES
@@ -55,6 +55,9 @@ class ControllerSettings:
     # Steps closer together than this share one plan (pressure is still handled at once by
     # on_pressure). Planning every ~25 ms decode step cost a third of the simulator's time.
     plan_interval_s: float = 0.05
+    # Re-scale the offline losses by the routing EMA this often (0: never). Rebuilding the
+    # planner costs ~1 ms for Mixtral, ~20 ms at DeepSeek-V3 scale.
+    rescale_interval_s: float = 10.0
 
 
 class Controller:
@@ -80,11 +83,14 @@ class Controller:
         self.ladder_ids = np.array([PRECISION_ID[p] for p in table.ladder], dtype=np.int64)
         # Allocate in pages, not bytes: what a plan costs is the pages its experts occupy.
         page_bytes = self.pool.page_bytes
-        self.table = table.replace(
-            bytes=page_table.pages_by_id[self.ladder_ids][None, :].repeat(table.num_rows, 0) * page_bytes
-        )
-        self._problem = Problem.build(self.table)
-        self._planner = MarginalPlanner(self._problem) if mode == "pagedweight" else None
+        self._page_bytes_grid = page_table.pages_by_id[self.ladder_ids][None, :].repeat(table.num_rows, 0) * page_bytes
+        self._use_table(table)
+        # Online drift (pagedweight only): routing counts accumulate here and are folded into
+        # the tracker's EMA when the table is re-scaled, every ``rescale_interval_s``.
+        self.tracker = RoutingTracker(table) if mode == "pagedweight" and settings.rescale_interval_s > 0 else None
+        self._routed = np.zeros((table.num_layers, table.num_experts))
+        self._last_rescale_s = 0.0
+        self._rebalance = False
         # Ladder level of each precision id (0 = most precise); ids outside the ladder count as
         # the top level, which only matters for experts a static start put there.
         self._level_of_id = np.zeros(len(PRECISION_NAMES), dtype=np.int64)
@@ -99,6 +105,27 @@ class Controller:
         steps = np.diff(np.sort(np.unique(page_table.pages_by_id[self.ladder_ids])))
         self._replan_pages = int(steps.min()) if len(steps) else 1
         self._upgrades_pending = False
+
+    def _use_table(self, table: ImportanceTable) -> None:
+        self.table = table.replace(bytes=self._page_bytes_grid)
+        self._problem = Problem.build(self.table)
+        self._planner = MarginalPlanner(self._problem) if self.mode == "pagedweight" else None
+
+    def observe_routing(self, tokens_per_expert: np.ndarray) -> None:
+        """One step's routing, (layers, experts) token counts."""
+        if self.tracker is not None:
+            self._routed += tokens_per_expert
+
+    def _maybe_rescale(self, now_s: float) -> None:
+        if self.tracker is None or now_s - self._last_rescale_s < self.settings.rescale_interval_s:
+            return
+        self._last_rescale_s = now_s
+        if self._routed.any():
+            self.tracker.observe(self._routed)
+            self._routed[:] = 0
+            self._use_table(self.tracker.rescaled())
+            self._planned_for = None  # losses moved: the next plan may move precision
+            self._rebalance = True
 
     # ---- accounting -------------------------------------------------------------------------
     def weight_pages(self) -> int:
@@ -155,6 +182,7 @@ class Controller:
             return []
         dt = 0.0 if self._last_plan_s is None else now_s - self._last_plan_s
         self._last_plan_s = now_s
+        self._maybe_rescale(now_s)
         self._copy_credit_bytes = min(s.max_in_flight_bytes, self._copy_credit_bytes + dt * s.copy_budget_bytes_per_s)
         if self.mode == "paper-greedy":
             room = self._available_weight_pages(0, 0)
@@ -177,10 +205,26 @@ class Controller:
             self._planned_for = (room, self.pool.num_weight_pages())
             plan = self._plan(room - (high - low))
             changes = self._upgrades_to(plan, now_s, budgeted=True) if plan is not None else []
+        elif self._rebalance and not self.page_table.in_flight:
+            changes = self._rebalanced(now_s)
         else:
             changes = []
         self._mark(changes, now_s)
         return changes
+
+    def _rebalanced(self, now_s: float) -> list[Change]:
+        """Traffic moved (the losses were re-scaled): re-plan the weights' current pages, moving
+        precision from experts no longer in use to those now in use. The downgrades free the
+        pages the upgrades then take, so memory for KV does not shrink."""
+        self._rebalance = False
+        plan = self._plan_without_in_flight(self.pool.num_weight_pages())
+        if plan is None:
+            return []
+        pt = self.page_table
+        rows = np.flatnonzero(pt.pages_by_id[plan.precision_ids] < pt.pages_by_id[pt.precision_ids])
+        freed = int((pt.pages_by_id[pt.precision_ids[rows]] - pt.pages_by_id[plan.precision_ids[rows]]).sum())
+        downs = [Change(DOWNGRADE, int(e), int(plan.precision_ids[e])) for e in rows]
+        return downs + self._upgrades_to(plan, now_s, budgeted=True, extra_free_pages=freed)
 
     # ---- helpers ------------------------------------------------------------------------------
     def _memory_moved(self, room: int) -> bool:
@@ -210,7 +254,7 @@ class Controller:
             return paper_greedy(self._problem, budget_bytes)
         return self._planner.plan(budget_bytes)
 
-    def _upgrades_to(self, plan: Plan, now_s: float, budgeted: bool) -> list[Change]:
+    def _upgrades_to(self, plan: Plan, now_s: float, budgeted: bool, extra_free_pages: int = 0) -> list[Change]:
         pt = self.page_table
         current, target = pt.precision_ids, plan.precision_ids
         grow = np.flatnonzero(pt.pages_by_id[target] > pt.pages_by_id[current])
@@ -227,7 +271,7 @@ class Controller:
             gain = self.table.dloss[grow, cur_lv] - self.table.dloss[grow, tgt_lv]
             cost = np.maximum(1, self.table.bytes[grow, tgt_lv])
             grow = grow[np.argsort(-gain / cost, kind="stable")]
-        free = self.pool.num_free - self.kv.reserve_pages
+        free = self.pool.num_free - self.kv.reserve_pages + extra_free_pages
         in_flight_bytes = sum(t.num_bytes for t in pt.in_flight.values())
         changes = []
         for e in grow.tolist():

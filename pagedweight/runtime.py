@@ -126,6 +126,11 @@ class RuntimeCore:
         if self.controller is not None:
             self.apply(self.controller.plan_step(self.clock()))
 
+    def observe_routing(self, tokens_per_expert: np.ndarray) -> None:
+        """Feed one step's routing counts (layers, experts) to the controller's drift tracker."""
+        if self.controller is not None:
+            self.controller.observe_routing(tokens_per_expert)
+
     def apply(self, changes: list[Change]) -> None:
         pt = self.page_table
         for c in changes:

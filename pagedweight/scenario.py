@@ -126,6 +126,7 @@ class ControllerConfig(_Strict):
     max_in_flight: Bytes = 2 * 2**30  # bytes of upgrades in flight at once
     min_dwell_s: float = Field(default=2.0, ge=0)  # an expert keeps a new precision at least this long
     plan_interval_s: float = Field(default=0.05, ge=0)  # at most one (non-emergency) plan per interval
+    rescale_interval_s: float = Field(default=10.0, ge=0)  # routing-drift re-scaling of losses (0: off)
     # static-mixed: the fixed weight budget, as a fraction of every expert at the top precision.
     static_mixed_fraction: float = Field(default=0.5, gt=0, le=1)
 

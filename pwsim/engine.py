@@ -147,6 +147,7 @@ class SimEngine:
                 continue
             shape = batch.shape()
             tokens = routing.sample(shape.num_tokens)
+            core.observe_routing(tokens)
             duration_s = latency.step_time_s(shape, tokens, core.precision_grid) + self._step_extra_s
             swapped = batch.swapped_out_tokens + batch.swapped_in_tokens
             if swapped:  # kv-swap: KV copies over PCIe, before the step that needs the blocks

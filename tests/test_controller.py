@@ -152,3 +152,32 @@ def test_static_policies_never_change_precision(policy):
     drive(core, clock, backend, [30] + [0] * 200)
     assert core.controller is None and not core.transitions
     assert (core.page_table.precision_ids == start).all()
+
+
+def test_routing_drift_moves_precision_to_the_experts_now_in_use():
+    core, clock, backend = make_core(rescale_interval_s=1.0, min_dwell_s=0.0)
+    # KV needs 900 more pages: every expert leaves bf16 and about half go down to int4. Then KV holds all but a few
+    # pages beyond the low watermark, so the controller neither upgrades back (that needs the
+    # high watermark) nor downgrades further on its own.
+    core.scheduler.pressure_hook(900)
+    low_pages = int(core.controller.settings.low_watermark * core.pool.num_pages)
+    held = core.kv.allocate(core.kv.num_free_blocks - low_pages - 30)
+    pt, table = core.page_table, core.controller.table
+    lowered = np.flatnonzero(pt.precision_ids == PRECISION_ID["int4"])
+    assert 0 < len(lowered) < pt.num_experts
+    # Traffic now goes only to the experts that were lowered (the offline table's least used).
+    hot = np.zeros((MODEL.num_moe_layers, MODEL.num_experts))
+    hot.reshape(-1)[lowered] = 1000.0
+    bytes_before = pt.pages_by_id[pt.precision_ids[lowered]].sum()
+    for i in range(5, 200):
+        backend.step = i
+        backend.land(core)
+        core.observe_routing(hot)
+        core.plan_step()
+        clock.now_s += 0.1
+    backend.step += 100
+    backend.land(core)
+    assert pt.pages_by_id[pt.precision_ids[lowered]].sum() > bytes_before
+    assert core.controller.table is not table  # losses were re-scaled from the tracker
+    core.kv.free(held)
+    core.pool.check()
