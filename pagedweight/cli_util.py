@@ -28,8 +28,16 @@ def build_main(prog: str, description: str, commands: dict[str, str]) -> Callabl
         parser = argparse.ArgumentParser(prog=prog, description=description)
         subs = parser.add_subparsers(dest="command", metavar="COMMAND")
         for name, module_name in commands.items():
-            module = importlib.import_module(module_name)
-            doc = (module.__doc__ or "").strip()
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as e:
+                # An optional dependency is missing (e.g. the gpu extra): the command says so when
+                # used, and every other command keeps working.
+                sub = subs.add_parser(name, help=f"(unavailable: needs module {e.name})", add_help=False)
+                sub.add_argument("rest", nargs=argparse.REMAINDER)
+                sub.set_defaults(_run=_unavailable(prog, name, e))
+                continue
+            doc = (module.__doc__ or "").strip().replace("%", "%%")  # argparse formats help with %
             sub = subs.add_parser(name, help=doc.splitlines()[0] if doc else None, description=doc)
             module.add_arguments(sub)
             sub.set_defaults(_run=module.run)
@@ -47,3 +55,15 @@ def build_main(prog: str, description: str, commands: dict[str, str]) -> Callabl
             return EXIT_INTERRUPTED
 
     return main
+
+
+def _unavailable(prog: str, name: str, err: ImportError) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        print(
+            f"{prog} {name}: unavailable: module {err.name!r} is not installed "
+            "(install the extras: pip install -e '.[gpu]')",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+
+    return run
