@@ -38,6 +38,7 @@ REQUEST_COLUMNS = (
     "tpot_ms",
     "e2el_ms",
     "num_preemptions",
+    "preempted_at_s",
     "reject_reason",
 )
 
@@ -77,6 +78,7 @@ def request_rows(requests: list[Request]) -> list[dict]:
                 "tpot_ms": tpot,
                 "e2el_ms": e2el,
                 "num_preemptions": r.num_preemptions,
+                "preempted_at_s": ";".join(f"{t:.6f}" for t in r.preempted_at_s),
                 "reject_reason": r.reject_reason or "",
             }
         )

@@ -69,6 +69,7 @@ class Request:
         "reject_reason",
         "stop_early",
         "swapped_tokens",
+        "preempted_at_s",
     )
 
     def __init__(self, request_id: int, arrival_s: float, prompt_tokens: int, max_output_tokens: int):
@@ -88,6 +89,7 @@ class Request:
         self.reject_reason: str | None = None
         self.stop_early = False  # set by a real engine on EOS/stop string; the simulator never does
         self.swapped_tokens = 0  # tokens of KV held in host memory while preempted (swap mode)
+        self.preempted_at_s: list[float] = []  # when each preemption happened
 
     @property
     def num_tokens(self) -> int:
@@ -201,8 +203,9 @@ class Scheduler:
         req.block_ids.extend(kv.allocate(need))
         return True
 
-    def _preempt(self, req: Request, batch: Batch) -> None:
+    def _preempt(self, req: Request, batch: Batch, now_s: float) -> None:
         self.running.remove(req)
+        req.preempted_at_s.append(now_s)
         if self.config.preemption_mode == "swap":
             req.swapped_tokens = req.num_computed_tokens
             batch.swapped_out_tokens += req.num_computed_tokens
@@ -232,7 +235,7 @@ class Scheduler:
                 preempted_self = False
                 while not self._reserve(req, num_new):
                     victim = running[-1]  # newest first
-                    self._preempt(victim, batch)
+                    self._preempt(victim, batch, now_s)
                     if victim is req:
                         preempted_self = True
                         break

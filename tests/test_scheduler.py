@@ -70,6 +70,7 @@ def test_preemption_is_newest_first_and_keeps_generated_tokens():
         batch, _, _ = step(s, now)
         now += 1
     assert old.num_preemptions == 0 and new.state == WAITING and new.block_ids == []
+    assert len(new.preempted_at_s) == 1 and new.preempted_at_s[0] == now - 1
     assert new.num_output_tokens > 0  # kept: recompute covers prompt + generated tokens
     while s.has_work():
         step(s, now)
