@@ -31,11 +31,28 @@ from pagedweight.report_data import (
     RunResults,
     fmt,
     load_run,
-    sim_real_pairs,
     signed_error_perc,
+    sim_real_pairs,
 )
 
 BASELINE = "static-fp16"
+# The open rows of the summary table: what was served, how fast, at what memory and quality.
+FIRST_METRICS = (
+    "completed",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "p99_tpot_ms",
+    "p99_e2el_ms",
+    "num_preemptions",
+    "mean_kv_cache_usage_perc",
+    "mean_weight_gib",
+    "mean_quality_proxy",
+    "h2d_gib",
+)
 _METRIC = {key: (label, spec, better) for key, label, spec, better in METRICS}
 CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:2em auto;max-width:1200px;color:#222;
@@ -63,7 +80,7 @@ def _change(value, base, better: str, spec: str) -> str:
     if value is None or base is None or not (math.isfinite(value) and math.isfinite(base)):
         return ""
     diff = value - base
-    if diff == 0:
+    if diff == 0 or (base != 0 and abs(diff / base) < 5e-4):
         return '<span class="d same">=</span>'
     text = f"{diff / abs(base) * 100:+.1f}%" if base != 0 else "+" * (diff > 0) + spec.format(diff)
     cls = ""
@@ -73,31 +90,51 @@ def _change(value, base, better: str, spec: str) -> str:
 
 
 def summary_table(run: RunResults) -> str:
-    """Every metric per policy; below each value its change against ``static-fp16``."""
+    """Every metric per policy; below each value its change against ``static-fp16``. The
+    metrics a reader checks first are in the open table, the rest one click below it."""
     policies = run.policies
     base = run.metrics(BASELINE) if BASELINE in policies else None
-    rows = list(METRICS)
     precisions = [p for p in PRECISION_ORDER if any(p in (run.metrics(q).get("weight_bytes") or {}) for q in policies)]
-    rows += [(f"mean_weight_gib_{p}", f"  experts at {p} (GiB, time-avg)", "{:.2f}", "") for p in precisions]
-    head = "".join(f'<th style="color:{plots.policy_colour(p)}">{html.escape(p)}</th>' for p in policies)
-    body = []
+    rows = [*METRICS, *((f"mean_weight_gib_{p}", f"experts at {p} (GiB, time-avg)", "{:.2f}", "") for p in precisions)]
+    head = "<tr><th>metric</th>" + "".join(
+        f'<th style="color:{plots.policy_colour(p)}">{html.escape(p)}</th>' for p in policies
+    )
+    first, more = [], []
     for key, label, spec, better in rows:
+        default = 0.0 if key.startswith("mean_weight_gib_") else None  # no expert at that precision
+        values = [run.metrics(p).get(key, default) for p in policies]
+        finite = [v for v in values if isinstance(v, int | float) and math.isfinite(v)]
+        best = (max(finite) if better == "higher" else min(finite)) if better and len(set(finite)) > 1 else None
         cells = []
-        for p in policies:
-            v = run.metrics(p).get(key)
+        for p, v in zip(policies, values, strict=True):
             cell = fmt(v, spec)
+            if best is not None and v == best:
+                cell = f"<b>{cell}</b>"
             if base is not None and p != BASELINE:
-                cell += _change(v, base.get(key), better, spec)
+                cell += _change(v, base.get(key, default), better, spec)
             elif base is not None:
                 cell += '<span class="base">baseline</span>'
             cells.append(f"<td>{cell}</td>")
-        body.append(f"<tr><th>{html.escape(label)}</th>{''.join(cells)}</tr>")
+        row = f"<tr><th>{html.escape(label)}</th>{''.join(cells)}</tr>"
+        (first if key in FIRST_METRICS else more).append(row)
     note = (
-        f"Change against <b>{BASELINE}</b> below each value: green is better, red is worse."
+        f"Change against <b>{BASELINE}</b> below each value: green is better, red is worse; the best value "
+        "of each row is in bold."
         if base is not None
         else f"<b>{BASELINE}</b> did not run here, so no changes are shown."
     )
-    return f"<p>{note}</p><table><tr><th>metric</th>{head}</tr>{''.join(body)}</table>"
+    return (
+        f"<p>{note}</p><table>{head}{''.join(first)}</table>"
+        f"<details><summary>More metrics ({len(more)})</summary><table>{head}{''.join(more)}</table></details>"
+    )
+
+
+def _duration(ms: float | None) -> str:
+    if ms is None or not math.isfinite(ms):
+        return "-"
+    if ms >= 10_000:
+        return f"{ms / 1000:.0f} s"
+    return f"{ms / 1000:.1f} s" if ms >= 1000 else f"{ms:.0f} ms"
 
 
 def headline(run: RunResults) -> str:
@@ -111,9 +148,11 @@ def headline(run: RunResults) -> str:
     for p in plots.dynamic_policies(run) or [q for q in run.policies if q != BASELINE][:1]:
         m = run.metrics(p)
         parts = []
-        for key, label in (("output_throughput", "output throughput"), ("p99_ttft_ms", "P99 TTFT")):
-            if base.get(key):
-                parts.append(f"{label} {(m[key] - base[key]) / base[key] * 100:+.0f}%")
+        if base.get("output_throughput"):
+            change = (m["output_throughput"] - base["output_throughput"]) / base["output_throughput"] * 100
+            parts.append(f"output throughput {change:+.0f}%")
+        for key, label in (("p99_ttft_ms", "P99 TTFT"), ("mean_tpot_ms", "mean TPOT")):
+            parts.append(f"{label} {_duration(base.get(key))} &rarr; {_duration(m.get(key))}")
         parts.append(f"preemptions {base.get('num_preemptions', 0):.0f} &rarr; {m.get('num_preemptions', 0):.0f}")
         q = f"quality proxy {m.get('mean_quality_proxy', float('nan')):.4g}"
         if int4 is not None:
@@ -169,7 +208,7 @@ def run_section(run: RunResults, prefix: str, out_dir: Path, anchor: str) -> str
     trace = s.get("trace", {})
     facts = (
         f"{html.escape(s.get('model', '?'))} on {html.escape(s.get('gpu', '?'))}, "
-        f"budget {s.get('budget_bytes', 0) / 2**30:.1f} GiB in {s.get('page_bytes', 0) / 2**20:g} MiB pages; "
+        f"budget {s.get('budget_bytes', 0) / 2**30:.4g} GiB in {s.get('page_bytes', 0) / 2**20:g} MiB pages; "
         f"{trace.get('num_requests', '?')} requests ({html.escape(str(trace.get('source', '?')))}); "
         f"runtime {html.escape(run.runtime)}.<br>Timed by: {html.escape(str(s.get('latency_model', '?')))}."
         f"<br>{html.escape(str(s.get('importance', '')))}"

@@ -274,12 +274,13 @@ def format_compare(table: pd.DataFrame) -> str:
     head = ["run", "runtime", "scenario", "budget GiB", "policy", *(_SHORT[k] for k in KEY_METRICS)]
     rows = []
     for _, r in table.iterrows():
-        cells = [str(r["run"]), str(r["runtime"]), str(r["scenario"]), f"{r['budget_gib']:.1f}", str(r["policy"])]
+        cells = [str(r["run"]), str(r["runtime"]), str(r["scenario"]), f"{r['budget_gib']:.4g}", str(r["policy"])]
         rows.append(cells + ([] if r["error"] else [fmt(r[k], spec[k]) for k in KEY_METRICS]))
     widths = [max([len(h)] + [len(c[i]) for c in rows if i < len(c)]) for i, h in enumerate(head)]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i in (0, 1, 2, 4) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        pairs = enumerate(zip(cells, widths, strict=False))  # error rows stop after the policy
+        return "  ".join(c.ljust(w) if i in (0, 1, 2, 4) else c.rjust(w) for i, (c, w) in pairs)
 
     out = [line(head)]
     for cells, (_, r) in zip(rows, table.iterrows(), strict=True):

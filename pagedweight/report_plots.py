@@ -41,6 +41,7 @@ PRECISION_COLOURS = {
 MEMORY_COLOURS = {"pinned": "#636363", "transition": "#e377c2", "kv": "#4f81bd", "free": "#ececec"}
 GIB = 2**30
 DPI = 90
+FIG_WIDTH_IN = 13.0  # every figure the same width: they stack in one column of the page
 
 
 def policy_colour(policy: str) -> str:
@@ -53,12 +54,16 @@ def _time_label(run: RunResults) -> str:
     return "simulated time (s)" if run.runtime == "pwsim" else "time (s)"
 
 
-def _save(fig: Figure, out_png: Path) -> Path:
-    fig.savefig(out_png, dpi=DPI)
+def save_png(fig: Figure, out_png: Path) -> Path:
+    """Written under a temporary name and renamed: a reader never sees half a PNG."""
+    out_png = Path(out_png)
+    tmp = out_png.with_name(f".{out_png.name}.tmp")
+    fig.savefig(tmp, dpi=DPI, format="png")
+    tmp.replace(out_png)
     return out_png
 
 
-def _grid(n: int, row_h: float, width: float = 12.0) -> tuple[Figure, list[Axes]]:
+def _grid(n: int, row_h: float, width: float = FIG_WIDTH_IN) -> tuple[Figure, list[Axes]]:
     ncols = 1 if n <= 2 else 2
     nrows = -(-n // ncols)
     fig = Figure(figsize=(width, row_h * nrows + 1.3), layout="constrained")
@@ -68,13 +73,17 @@ def _grid(n: int, row_h: float, width: float = 12.0) -> tuple[Figure, list[Axes]
     return fig, axes[:n]
 
 
-def memory_figure(run: RunResults, out_png: Path) -> Path:
+def memory_figure(run: RunResults, out_png: Path) -> Path | None:
     """Stacked memory over time per policy: pinned weights, expert weights by precision,
     pages of in-flight transitions, KV cache and free pages, against the budget."""
     steps, summary = run.steps, run.summary
-    page_gib = summary["page_bytes"] / GIB
-    budget_gib = summary["budget_bytes"] / GIB
+    # GiB for real GPUs, MiB for the toy budgets of tests and teaching
+    unit, unit_bytes = ("GiB", GIB) if summary["budget_bytes"] >= GIB else ("MiB", 2**20)
+    page_u = summary["page_bytes"] / unit_bytes
+    budget_u = summary["budget_bytes"] / unit_bytes
     policies = [p for p in run.policies if (steps["policy"] == p).any()]
+    if not policies:
+        return None
     precisions = [p for p in PRECISION_ORDER if f"weight_pages_{p}" in steps and steps[f"weight_pages_{p}"].any()]
     layers = [
         ("pinned_pages", "pinned (attention, shared)", MEMORY_COLOURS["pinned"]),
@@ -86,32 +95,36 @@ def memory_figure(run: RunResults, out_png: Path) -> Path:
     fig, axes = _grid(len(policies), 2.3)
     for ax, policy in zip(axes, policies, strict=True):
         s = sample_steps(steps[steps["policy"] == policy], [c for c, _, _ in layers])
-        ax.stackplot(s["time_s"], *[s[c] * page_gib for c, _, _ in layers], colors=[c for _, _, c in layers])
-        ax.axhline(budget_gib, color="black", lw=1.0, ls="--")
+        ax.stackplot(s["time_s"], *[s[c] * page_u for c, _, _ in layers], colors=[c for _, _, c in layers])
+        ax.axhline(budget_u, color="black", lw=1.0, ls="--")
         m = run.metrics(policy)
-        kv_gib = float((s["kv_pages"] * page_gib).mean()) if len(s) else 0.0
+        kv_u = float((s["kv_pages"] * page_u).mean()) if len(s) else 0.0
+        experts_u = m.get("mean_weight_gib", 0) * GIB / unit_bytes
         ax.set_title(
-            f"{policy}: experts {m.get('mean_weight_gib', 0):.0f} GiB, KV {kv_gib:.0f} GiB on average; "
+            f"{policy}: experts {experts_u:.0f} {unit}, KV {kv_u:.0f} {unit} on average; "
             f"{m.get('num_preemptions', 0):.0f} preemptions",
             fontsize=10,
             loc="left",
             color=policy_colour(policy),
         )
-        ax.set_ylim(0, budget_gib * 1.08)
+        ax.set_ylim(0, budget_u * 1.08)
         ax.margins(x=0)
-    for ax in axes:
-        ax.set_ylabel("GiB")
-        ax.set_xlabel(_time_label(run))
+    ncols = 1 if len(axes) <= 2 else 2
+    for i, ax in enumerate(axes):
+        ax.set_ylabel(unit)
         ax.label_outer()
+        if i + ncols >= len(axes):  # no panel below: this one carries the time axis
+            ax.xaxis.set_tick_params(labelbottom=True)
+            ax.set_xlabel(_time_label(run))
     handles = [Patch(color=c, label=label) for _, label, c in reversed(layers)]
     handles.append(Line2D([], [], color="black", lw=1.0, ls="--", label="budget"))
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5), fontsize=9)
     fig.suptitle(
-        f"Memory over time: {summary['model']} on {summary['gpu']}, {budget_gib:.0f} GiB budget "
+        f"Memory over time: {summary['model']} on {summary['gpu']}, {budget_u:.0f} {unit} budget "
         "(weights shrink so the KV cache can grow)",
         fontsize=12,
     )
-    return _save(fig, out_png)
+    return save_png(fig, out_png)
 
 
 def dynamic_policies(run: RunResults) -> list[str]:
@@ -129,7 +142,7 @@ def precision_map_figure(run: RunResults, out_png: Path, num_times: int = 400) -
     policies = dynamic_policies(run)
     if not policies or run.initial_precisions.empty:
         return None
-    fig = Figure(figsize=(12, 3.4 * len(policies) + 0.8), layout="constrained")
+    fig = Figure(figsize=(FIG_WIDTH_IN, 3.4 * len(policies) + 0.8), layout="constrained")
     axes = fig.subplots(len(policies), 1, squeeze=False)[:, 0]
     used: list[str] = []
     for ax, policy in zip(axes, policies, strict=True):
@@ -162,7 +175,7 @@ def precision_map_figure(run: RunResults, out_png: Path, num_times: int = 400) -
     handles = [Patch(color=PRECISION_COLOURS.get(n, "#17becf"), label=n) for n in PRECISION_ORDER if n in used]
     fig.legend(handles=handles, loc="outside right upper", title="precision")
     fig.suptitle("Precision map over time (each row one routed expert)", fontsize=12)
-    return _save(fig, out_png)
+    return save_png(fig, out_png)
 
 
 def _cdf(ax: Axes, values: np.ndarray, **kw) -> None:
@@ -171,12 +184,21 @@ def _cdf(ax: Axes, values: np.ndarray, **kw) -> None:
         ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", **kw)
 
 
+def _log_if_wide(ax: Axes) -> bool:
+    """Log x when the data span more than a decade: narrow ranges read better on a linear axis."""
+    lo, hi = ax.dataLim.x0, ax.dataLim.x1
+    if lo > 0 and hi / lo > 10:
+        ax.set_xscale("log")
+        return True
+    return False
+
+
 def latency_figure(run: RunResults, out_png: Path) -> Path:
     """CDFs of TTFT, TPOT and end-to-end latency per policy; throughput, goodput and
     preemption bars."""
     req = run.requests
     policies = run.policies
-    fig = Figure(figsize=(13, 7.5), layout="constrained")
+    fig = Figure(figsize=(FIG_WIDTH_IN, 7.5), layout="constrained")
     axes = fig.subplots(2, 3)
     for ax, (col, label) in zip(
         axes[0],
@@ -187,8 +209,7 @@ def latency_figure(run: RunResults, out_png: Path) -> Path:
             rows = req[(req["policy"] == p) & (req["state"] == "finished")] if len(req) else req
             if col in rows:
                 _cdf(ax, rows[col].to_numpy(dtype=float), color=policy_colour(p), label=p, lw=1.6)
-        ax.set_xscale("log")
-        ax.set_xlabel(f"{label}, log scale")
+        ax.set_xlabel(label + (", log scale" if _log_if_wide(ax) else ""))
         ax.set_ylabel("fraction of completed requests")
         ax.set_title(f"{label.split(' (')[0]} CDF (left is better)", fontsize=10)
         ax.grid(alpha=0.3, which="both")
@@ -213,7 +234,7 @@ def latency_figure(run: RunResults, out_png: Path) -> Path:
         ax.set_xticks(x, policies, rotation=30, ha="right", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("Latency and throughput per policy", fontsize=12)
-    return _save(fig, out_png)
+    return save_png(fig, out_png)
 
 
 def quality_scale(ax: Axes, values: list[float], axis: str = "y") -> None:
@@ -225,7 +246,7 @@ def quality_scale(ax: Axes, values: list[float], axis: str = "y") -> None:
 
 def quality_figure(run: RunResults, out_png: Path) -> Path:
     """The quality proxy over time per policy, and quality against throughput."""
-    fig = Figure(figsize=(13, 4.6), layout="constrained")
+    fig = Figure(figsize=(FIG_WIDTH_IN, 5.0), layout="constrained")
     ax_t, ax_q = fig.subplots(1, 2, width_ratios=(1.6, 1))
     values = []
     for p in run.policies:
@@ -237,23 +258,21 @@ def quality_figure(run: RunResults, out_png: Path) -> Path:
     ax_t.set_ylabel("predicted loss increase (nats/token)")
     ax_t.set_title("Quality proxy over time (lower is better)", fontsize=10)
     ax_t.grid(alpha=0.3)
-    ax_t.legend(fontsize=8, loc="upper left", ncols=2)
     qs = []
-    for i, p in enumerate(run.policies):
+    for p in run.policies:
         m = run.metrics(p)
         q, tput = m.get("mean_quality_proxy", np.nan), m.get("output_throughput", np.nan)
         qs.append(q)
-        ax_q.scatter(tput, q, s=70, color=policy_colour(p), zorder=3)
-        # Alternate label sides: policies with equal throughput would print over each other.
-        ax_q.annotate(p, (tput, q), textcoords="offset points", xytext=(-8, 4) if i % 2 else (8, -10),
-                      ha="right" if i % 2 else "left", fontsize=8)  # fmt: skip
+        ax_q.scatter(tput, q, s=80, color=policy_colour(p), zorder=3, edgecolors="white", linewidths=0.8)
     quality_scale(ax_q, qs)
     ax_q.set_xlabel("output throughput (tokens/s)")
     ax_q.set_ylabel("mean quality proxy (nats/token)")
     ax_q.set_title("Trade-off: best is bottom right", fontsize=10)
     ax_q.grid(alpha=0.3)
+    # One legend for both panels: labels beside points overlap when policies tie on throughput.
+    fig.legend(*ax_t.get_legend_handles_labels(), loc="outside lower center", ncols=min(len(run.policies), 7))
     fig.suptitle("Quality (predicted loss increase of the current precision map)", fontsize=12)
-    return _save(fig, out_png)
+    return save_png(fig, out_png)
 
 
 def transitions_figure(run: RunResults, out_png: Path, num_bins: int = 200) -> Path | None:
@@ -263,7 +282,7 @@ def transitions_figure(run: RunResults, out_png: Path, num_bins: int = 200) -> P
     if not policies:
         return None
     budget = run.copy_budget_bytes_per_s()
-    fig = Figure(figsize=(12, 2.6 * len(policies) + 1.0), layout="constrained")
+    fig = Figure(figsize=(FIG_WIDTH_IN, 2.6 * len(policies) + 1.0), layout="constrained")
     axes = fig.subplots(len(policies), 1, squeeze=False, sharex=True)[:, 0]
     for ax, policy in zip(axes, policies, strict=True):
         steps = run.steps[run.steps["policy"] == policy]
@@ -290,7 +309,7 @@ def transitions_figure(run: RunResults, out_png: Path, num_bins: int = 200) -> P
     axes[0].legend(fontsize=8, loc="upper right")
     axes[-1].set_xlabel(_time_label(run))
     fig.suptitle("Precision transitions: bytes moved per second", fontsize=12)
-    return _save(fig, out_png)
+    return save_png(fig, out_png)
 
 
 def sim_real_figure(sim: RunResults, real: RunResults, out_png: Path) -> Path | None:
@@ -298,17 +317,16 @@ def sim_real_figure(sim: RunResults, real: RunResults, out_png: Path) -> Path | 
     policies = [p for p in sim.policies if p in real.policies]
     if not policies or sim.requests.empty or real.requests.empty:
         return None
-    fig = Figure(figsize=(12, 4.2), layout="constrained")
+    fig = Figure(figsize=(FIG_WIDTH_IN, 4.2), layout="constrained")
     axes = fig.subplots(1, 2)
     for ax, (col, label) in zip(axes, (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)")), strict=True):
         for p in policies:
             for run, ls, tag in ((real, "-", real.runtime), (sim, "--", sim.runtime)):
                 rows = run.requests[(run.requests["policy"] == p) & (run.requests["state"] == "finished")]
                 _cdf(ax, rows[col].to_numpy(dtype=float), color=policy_colour(p), ls=ls, label=f"{p} ({tag})")
-        ax.set_xscale("log")
-        ax.set_xlabel(f"{label}, log scale")
+        ax.set_xlabel(label + (", log scale" if _log_if_wide(ax) else ""))
         ax.set_ylabel("fraction of completed requests")
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Simulated ({sim.name}, dashed) vs real ({real.name}, solid)", fontsize=12)
-    return _save(fig, out_png)
+    return save_png(fig, out_png)

@@ -8,13 +8,13 @@ over-predicts. ``validation.json`` holds every figure and the bounds they were c
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from pagedweight.errors import PagedWeightError
+from pagedweight.report_data import signed_error_perc
 
 # Metric -> bound on |error| in % (None: reported, not checked). The GPU targets of the
 # validation issue: throughput and mean TPOT within 5%, P50/P99 TTFT within 10%.
@@ -45,14 +45,6 @@ METRICS = (
     "num_downgrades",
     "num_upgrades",
 )
-
-
-def signed_error_perc(sim: float, real: float) -> float:
-    if real is None or sim is None or math.isnan(real) or math.isnan(sim):
-        return float("nan")
-    if real == 0:
-        return 0.0 if sim == 0 else float("inf") * (1 if sim > 0 else -1)
-    return (sim - real) / abs(real) * 100.0
 
 
 def _load(d: Path) -> tuple[dict, pd.DataFrame | None, pd.DataFrame | None]:

@@ -12,6 +12,9 @@ COMMANDS: dict[str, str] = {
     "allocate": "pwsim.commands.allocate",
     "importance": "pwsim.commands.importance",
     "trace": "pwsim.commands.trace",
+    "report": "pwsim.commands.report",
+    "compare": "pwsim.commands.compare",
+    "sweep": "pwsim.commands.sweep",
     "validate": "pwsim.commands.validate",
 }
 

@@ -1,0 +1,35 @@
+"""Run a grid of scenario variants and draw Pareto plots; re-running skips finished cells.
+
+The grid may span any scenario key: memory budget, load scale, policies, model, GPU, ...
+
+The sweep file: name, scenario (path, relative to the sweep file), set (dotted key: value for
+every cell), grid (dotted key: [values]), cell_reports (bool). See pwsim/sweep.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("sweep", help="sweep YAML file")
+    p.add_argument("--executor", choices=("local", "ray"), default="local", help="local process pool (default) or Ray")
+    p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
+    p.add_argument("--workers", type=int, help="cells at once (local default: CPU count; Ray without --address: CPUs)")
+    p.add_argument("--out", help="sweep directory (default runs/sweeps/<sweep name>)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pwsim.sweep import SweepError, load_sweep, run_sweep
+
+    if args.workers is not None and args.workers < 1:
+        raise SweepError(f"--workers(={args.workers}) must be >= 1")
+    if args.address and args.executor != "ray":
+        raise SweepError("--address is for --executor ray")
+    sweep = load_sweep(args.sweep)
+    out = Path(args.out or Path("runs") / "sweeps" / sweep.spec.name)
+    result = run_sweep(sweep, out, executor=args.executor, workers=args.workers, address=args.address)
+    print(f"ran {len(result['ran'])} cells, skipped {len(result['skipped'])} finished ones")
+    print(f"results: {out}/ (sweep.csv, sweep.json, report.html, one directory per cell)")
+    return 0
