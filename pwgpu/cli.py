@@ -6,7 +6,9 @@ import sys
 
 from pagedweight.cli_util import build_main
 
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "profile": "pwgpu.commands.profile",
+}
 
 main = build_main(
     "pwgpu", "PagedWeight engine: serve, profile and evaluate MoE models with dynamic expert precision.", COMMANDS

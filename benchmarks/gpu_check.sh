@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The kernels' GPU check in one run, under 8 minutes on an H200: the GPU kernel tests, the
+# kernel benchmark and `pwgpu profile` (mixtral-8x7b and tiny-moe, full grid). Everything it
+# writes lands under $OUT (default ./gpu_check_out); summary.txt says which stage finished.
+#
+# The GPU machine has no network and lacks some of our dependencies. Beforehand, on the
+# development machine, from the repository root (see ../shared/tools/gpu-wheels.sh):
+#     ../shared/tools/gpu-wheels.sh pandas pytest
+# then run this script with `.whl` carried along; it installs the wheels into /tmp/site.
+#
+# Each stage has a time budget (seconds) and is stopped at it, so a slow stage cannot starve
+# the next one; the benchmark and the profiler save what they measured as they go. Most of
+# each budget is Triton compilation (one kernel per precision x block config x flags).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}  # shared by the stages
+unset TRITON_INTERPRET
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, torch.version.cuda)"
+  for mod in numpy pandas pydantic yaml pytest; do
+    python3 -c "import $mod" 2> /dev/null || echo "MISSING python module: $mod (add it to gpu-wheels.sh)"
+  done
+} > "$OUT/env.txt" 2>&1
+grep MISSING "$OUT/env.txt" | tee -a "$OUT/summary.txt"
+
+stage() {  # stage NAME BUDGET_S COMMAND...
+  local name=$1 budget=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout --signal=INT --kill-after=15 "$budget" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  echo "$name: exit $rc after $(($(date +%s) - start)) s (budget $budget s; 124 = cut at the budget)" | tee -a "$OUT/summary.txt"
+}
+
+stage pytest_gpu 170 python3 -m pytest -m gpu tests/kernels -q -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml"
+stage bench 140 python3 benchmarks/kernels.py --out "$OUT/kernels_bench.csv" --precisions fp16,bf16,fp8,int8,int4
+stage profile 150 python3 -m pwgpu.cli profile --model tiny-moe,mixtral-8x7b --grid full --out "$OUT/h200.csv"
+tail -n 4 "$OUT/pytest_gpu.log" "$OUT/bench.log" "$OUT/profile.log" >> "$OUT/summary.txt" 2>&1
+cat "$OUT/summary.txt"

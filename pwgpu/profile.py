@@ -1,0 +1,290 @@
+"""Measure the latency table ``pwsim`` reads (schema: ``pagedweight.kernel_table``).
+
+Every op is timed on the device the engine would run it on: on a GPU the Triton MoE kernel and
+quantiser, on a CPU the PyTorch references (the CPU engine's path). Each op's keys are measured
+on a full rectilinear grid, because the simulator builds dense grids and refuses holes.
+
+The approximations made are listed in ``NOTES`` and copied into the meta file.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F_
+
+from pagedweight.kernel_table import KEY_COLUMNS
+from pagedweight.spec import PRECISION_NAMES, ModelSpec
+from pwgpu.kernels.paging import PagedExperts
+
+MiB = 1 << 20
+NOTES = (
+    "moe_ffn: e experts of one precision, each routed exactly m tokens (top-1 routing: the top-k sum, "
+    "one elementwise pass, is not timed)",
+    "attn_*: PyTorch SDPA over contiguous KV with the spec's GQA heads (MLA: heads expanded); prefill is "
+    "causal when kv_len == m, else the m new tokens attend to all kv_len tokens",
+    "dense: attention projections as one matrix of the spec's attention parameter count (same bytes and "
+    "FLOPs for GQA and MLA), two RMSNorms, the router and top-k, shared experts",
+    "lm_head: embedding gather, final RMSNorm, LM head, greedy argmax",
+    "quantize: one bf16 [n, k] matrix into a standalone packed blob",
+)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Axis values per op; each op is measured on the full cross product of its axes."""
+
+    name: str
+    moe_m: tuple[int, ...]
+    attn_prefill_m: tuple[int, ...]
+    attn_prefill_kv: tuple[int, ...]
+    attn_decode_batch: tuple[int, ...]
+    attn_decode_kv: tuple[int, ...]
+    dense_m: tuple[int, ...]
+    h2d_bytes: tuple[int, ...]
+    samples: int
+    warmup: int
+
+    def moe_e(self, model: ModelSpec) -> tuple[int, ...]:
+        if self.name == "small":
+            return tuple(sorted({1, model.top_k, model.num_experts}))
+        powers = {2**i for i in range(12) if 2**i <= model.num_experts}
+        return tuple(sorted(powers | {model.top_k, model.num_experts}))
+
+
+GRIDS = {
+    "small": Grid(
+        name="small",
+        moe_m=(1, 8, 64),
+        attn_prefill_m=(16, 128),
+        attn_prefill_kv=(128, 512),
+        attn_decode_batch=(1, 8),
+        attn_decode_kv=(128, 1024),
+        dense_m=(1, 16, 128),
+        h2d_bytes=(1 * MiB, 16 * MiB),
+        samples=3,
+        warmup=1,
+    ),
+    "full": Grid(
+        name="full",
+        moe_m=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+        attn_prefill_m=(16, 64, 256, 1024, 4096),
+        attn_prefill_kv=(256, 1024, 4096, 16384),
+        # batch x kv_len stays <= 2M tokens: 8 GB of KV per layer for Mixtral.
+        attn_decode_batch=(1, 4, 16, 64, 256),
+        attn_decode_kv=(256, 1024, 4096, 8192),
+        dense_m=(1, 4, 16, 64, 256, 1024, 4096),
+        h2d_bytes=(64 * 1024, 1 * MiB, 16 * MiB, 128 * MiB, 1024 * MiB),
+        samples=10,  # compile time, not timing noise, bounds a full run; p20-p80 shows the spread
+        warmup=2,
+    ),
+}
+
+
+def time_us(fn: Callable[[], object], device: torch.device, samples: int, warmup: int) -> tuple[float, float, float]:
+    """(p50, p20, p80) of ``fn``'s latency in microseconds; CUDA events on a GPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(samples):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+    else:
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    p20, p50, p80 = np.percentile(times, [20, 50, 80])
+    return float(p50), float(p20), float(p80)
+
+
+class Profiler:
+    def __init__(self, model: ModelSpec, grid: Grid, device: torch.device, precisions: tuple[str, ...]):
+        self.model, self.grid, self.device, self.precisions = model, grid, device, precisions
+        self.dtype = torch.bfloat16
+        self.rows: list[dict] = []
+        self.gen = torch.Generator(device=device).manual_seed(0)
+
+    def _randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen, device=self.device, dtype=self.dtype) * scale
+
+    def _record(self, op: str, fn: Callable[[], object], precision: str = "-", **keys: int) -> None:
+        p50, p20, p80 = time_us(fn, self.device, self.grid.samples, self.grid.warmup)
+        self.rows.append(
+            dict(model=self.model.name, op=op, precision=precision, **keys, latency_us_p50=p50, latency_us_p20=p20,
+                 latency_us_p80=p80, samples=self.grid.samples)
+        )  # fmt: skip
+
+    # ---- ops ------------------------------------------------------------------------------
+    def moe_ffn(self) -> None:
+        h, f = self.model.hidden_size, self.model.expert_ffn_size
+        es = self.grid.moe_e(self.model)
+        num = max(es)
+        w1 = [self._randn(f, h, scale=h**-0.5) for _ in range(num)]
+        w3 = [self._randn(f, h, scale=h**-0.5) for _ in range(num)]
+        w2 = [self._randn(h, f, scale=f**-0.5) for _ in range(num)]
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            from pwgpu.kernels.moe_gemm import fused_moe as run_moe
+        else:
+            from pwgpu.kernels.reference import moe_ffn_paged_ref as run_moe
+        for prec in self.precisions:
+            experts = PagedExperts.from_dense(
+                w1, w3, w2, [prec] * num, quantizer="triton" if on_gpu else "reference", scatter_seed=0
+            )
+            for e in es:
+                # The first e experts as a layer of their own: the kernel sizes blocks by m.
+                sub = PagedExperts(experts.pool, experts.page_offsets, experts.first_page[:e], (prec,) * e, h, f,
+                                   experts.page_bytes)  # fmt: skip
+                for m in self.grid.moe_m:
+                    x = self._randn(m * e, h)
+                    ids = torch.arange(e, device=self.device).repeat_interleave(m)[:, None]
+                    weights = torch.ones(m * e, 1, device=self.device)
+                    self._record("moe_ffn", lambda x=x, ids=ids, w=weights, s=sub: run_moe(x, ids, w, s),
+                                 precision=prec, m=m, e=e, n=f, k=h)  # fmt: skip
+            del experts
+        if on_gpu:
+            torch.cuda.empty_cache()
+
+    def attention(self) -> None:
+        spec = self.model
+        heads, kv_heads, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        if spec.attention == "mla":  # the latent is expanded per head at attention time
+            kv_heads, d = heads, spec.qk_nope_head_dim + spec.qk_rope_head_dim
+
+        def sdpa(q_len: int, kv_len: int, batch: int, causal: bool):
+            q = self._randn(batch, heads, q_len, d)
+            k = self._randn(batch, kv_heads, kv_len, d)
+            v = self._randn(batch, kv_heads, kv_len, d)
+            return lambda: F_.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != heads)
+
+        for m in self.grid.attn_prefill_m:
+            for kv in self.grid.attn_prefill_kv:
+                self._record("attn_prefill", sdpa(m, kv, 1, causal=kv == m), m=m, kv_len=kv)
+        for b in self.grid.attn_decode_batch:
+            for kv in self.grid.attn_decode_kv:
+                self._record("attn_decode", sdpa(1, kv, b, causal=False), batch=b, kv_len=kv)
+
+    def dense_and_head(self) -> None:
+        spec, h = self.model, self.model.hidden_size
+        w_attn = self._randn(spec.attention_params_per_layer() // h, h, scale=h**-0.5)
+        router = self._randn(spec.num_experts, h, scale=h**-0.5)
+        shared = spec.num_shared_experts * spec.shared_expert_ffn_size
+        w_up = self._randn(2 * shared, h, scale=h**-0.5) if shared else None
+        w_down = self._randn(h, shared, scale=shared**-0.5) if shared else None
+        norm_w = torch.ones(h, device=self.device, dtype=self.dtype)
+        embed = self._randn(spec.vocab_size, h)
+        head = embed if spec.tie_embeddings else self._randn(spec.vocab_size, h, scale=h**-0.5)
+
+        def dense(x):
+            y = F_.rms_norm(x, (h,), norm_w, spec.rms_norm_eps)
+            y = y @ w_attn.T
+            z = F_.rms_norm(x, (h,), norm_w, spec.rms_norm_eps)
+            logits = z @ router.T
+            torch.topk(logits.float().softmax(-1), spec.top_k)
+            if w_up is not None:
+                gate, up = (z @ w_up.T).chunk(2, dim=-1)
+                (F_.silu(gate) * up) @ w_down.T
+            return y
+
+        def lm_head(tokens):
+            x = F_.rms_norm(embed[tokens], (h,), norm_w, spec.rms_norm_eps)
+            return torch.argmax(x @ head.T, dim=-1)
+
+        for m in self.grid.dense_m:
+            x = self._randn(m, h)
+            tokens = torch.randint(0, spec.vocab_size, (m,), device=self.device, generator=self.gen)
+            self._record("dense", lambda x=x: dense(x), m=m)
+            self._record("lm_head", lambda t=tokens: lm_head(t), m=m)
+
+    def quantize(self) -> None:
+        h, f = self.model.hidden_size, self.model.expert_ffn_size
+        if self.device.type == "cuda":
+            from pwgpu.kernels.quant import quantize as run_quant
+        else:
+            from pwgpu.kernels.reference import quantize_ref as run_quant
+        for prec in self.precisions:
+            for n in sorted({h, f}):
+                for k in sorted({h, f}):  # the full n x k cross product: pwsim's grids have no holes
+                    w = self._randn(n, k, scale=0.02)
+                    self._record("quantize", lambda w=w, p=prec: run_quant(w, p), precision=prec, n=n, k=k)
+
+    def h2d_copy(self) -> None:
+        for num_bytes in self.grid.h2d_bytes:
+            src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            dst = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+            self._record("h2d_copy", lambda s=src, d=dst: d.copy_(s, non_blocking=True), bytes=num_bytes)
+
+
+def profile(
+    models: list[ModelSpec],
+    grid_name: str = "small",
+    device: str | torch.device | None = None,
+    precisions: tuple[str, ...] = PRECISION_NAMES,
+    ops: tuple[str, ...] = ("moe_ffn", "attention", "dense", "quantize", "h2d_copy"),
+    on_progress: Callable[[pd.DataFrame, dict], None] | None = None,
+) -> tuple[pd.DataFrame, dict]:
+    """Measure every op for every model; returns the long table and its meta dict.
+
+    ``on_progress(table_so_far, meta)`` runs after each op group, so a run cut short by a time
+    limit still leaves what it measured (meta ``complete: false``).
+    """
+    if grid_name not in GRIDS:
+        raise ValueError(f"grid {grid_name!r} unknown; allowed: {', '.join(GRIDS)}")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    grid = GRIDS[grid_name]
+    rows: list[dict] = []
+    with torch.inference_mode():
+        for model in models:
+            prof = Profiler(model, grid, dev, precisions)
+            steps = {"moe_ffn": prof.moe_ffn, "attention": prof.attention, "dense": prof.dense_and_head,
+                     "quantize": prof.quantize, "h2d_copy": prof.h2d_copy}  # fmt: skip
+            for op in ops:
+                steps[op]()
+                if on_progress is not None:
+                    on_progress(_frame(rows + prof.rows), {**_meta(dev, grid, models), "complete": False})
+            rows += prof.rows
+    return _frame(rows), {**_meta(dev, grid, models), "complete": True}
+
+
+def _frame(rows: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame(rows)
+    for col in KEY_COLUMNS[3:]:  # keys an op does not use are 0 (kernel_table.py)
+        df[col] = df[col].fillna(0).astype(np.int64) if col in df else 0
+    return df
+
+
+def _meta(device: torch.device, grid: Grid, models: list[ModelSpec]) -> dict:
+    import platform
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    on_gpu = device.type == "cuda"
+    return {
+        "device": torch.cuda.get_device_name(device) if on_gpu else f"cpu ({platform.processor() or 'unknown'})",
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "torch": str(torch.__version__),
+        "triton": str(triton_version),
+        "cuda": str(torch.version.cuda) if on_gpu else "none",
+        "models": [m.name for m in models],
+        "grid": grid.name,
+        "path": "triton kernels" if on_gpu else "pytorch reference (CPU engine path)",
+        "threads": torch.get_num_threads(),
+        "notes": list(NOTES),
+    }

@@ -1,0 +1,76 @@
+"""`pwgpu profile` on the CPU (the CPU engine's PyTorch path), small grid, tiny-moe: the table
+it writes must load with read_kernel_table and hold full rectilinear grids per op, which is
+what pwsim's table latency model needs."""
+
+import subprocess
+import sys
+
+import pytest
+
+from pagedweight.kernel_table import COLUMNS, read_kernel_table
+from pagedweight.spec import load_model
+
+pytest.importorskip("torch")
+
+PRECISIONS = ("bf16", "int8", "int4")
+# (op, first key, second key) that must form a full cross product.
+GRID_KEYS = [
+    ("moe_ffn", "m", "e"),
+    ("attn_prefill", "m", "kv_len"),
+    ("attn_decode", "batch", "kv_len"),
+    ("dense", "m", None),
+    ("lm_head", "m", None),
+    ("quantize", "n", "k"),
+    ("h2d_copy", "bytes", None),
+]
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernels") / "cpu.csv"
+    cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--model", "tiny-moe", "--out", str(out), "--grid", "small",
+           "--device", "cpu", "--precisions", ",".join(PRECISIONS)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stdout
+    return read_kernel_table(out)
+
+
+def test_table_has_schema_meta_and_every_op(table):
+    df, meta = table
+    assert list(df.columns) == list(COLUMNS)
+    assert meta["grid"] == "small" and meta["models"] == ["tiny-moe"] and meta["cuda"] == "none"
+    assert set(df["op"]) == {op for op, _, _ in GRID_KEYS}
+    assert (df["latency_us_p50"] > 0).all() and (df["samples"] > 0).all()
+    assert (df["latency_us_p20"] <= df["latency_us_p50"]).all() and (df["latency_us_p50"] <= df["latency_us_p80"]).all()
+
+
+@pytest.mark.parametrize("op,x,y", GRID_KEYS)
+def test_each_op_is_a_full_grid(table, op, x, y):
+    df, _ = table
+    rows = df[df["op"] == op]
+    groups = rows.groupby("precision") if op in ("moe_ffn", "quantize") else [("-", rows)]
+    for _, part in groups:
+        xs, ys = part[x].nunique(), part[y].nunique() if y else 1
+        assert len(part) == xs * ys, f"{op}: {len(part)} rows for a {xs} x {ys} grid"
+
+
+def test_moe_rows_cover_precisions_and_expert_counts(table):
+    df, _ = table
+    spec = load_model("tiny-moe")
+    moe = df[df["op"] == "moe_ffn"]
+    assert set(moe["precision"]) == set(PRECISIONS)
+    assert set(moe["e"]) == {1, spec.top_k, spec.num_experts}
+    assert (moe["n"] == spec.expert_ffn_size).all() and (moe["k"] == spec.hidden_size).all()
+    # More tokens through more experts cannot be faster by an order of magnitude: catches
+    # rows written against the wrong keys.
+    small = moe[(moe["m"] == moe["m"].min()) & (moe["e"] == 1)]["latency_us_p50"].median()
+    large = moe[(moe["m"] == moe["m"].max()) & (moe["e"] == spec.num_experts)]["latency_us_p50"].median()
+    assert large > small
+
+
+def test_unknown_op_is_a_usage_error(tmp_path):
+    cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--model", "tiny-moe", "--out", str(tmp_path / "x.csv"),
+           "--ops", "moe_ffn,warp_drive"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "warp_drive" in done.stderr
