@@ -115,3 +115,21 @@ class ImportanceError(PagedWeightError):
 
 class AllocationError(PagedWeightError):
     """An allocation cannot be made: a budget below the minimum, a pin outside the ladder."""
+
+
+def read_yaml_mapping(path, error: type[PagedWeightError], allowed: list[str] | tuple[str, ...]) -> dict:
+    """``yaml.safe_load`` of a file that must hold a mapping; every failure is ``error`` naming
+    the file (and, for a non-mapping, the keys allowed at the top level)."""
+    import yaml  # only the loaders need it
+
+    src = str(path)
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise error(f"file {src} does not exist") from None
+    except yaml.YAMLError as e:
+        raise error(f"{src}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise error(f"{src}: expected a mapping at the top level; allowed keys: {', '.join(allowed)}")
+    return raw

@@ -26,7 +26,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pagedweight.errors import PagedWeightError, ScenarioError, format_validation_error
+from pagedweight.errors import PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
 from pagedweight.latency_config import AnalyticLatencyConfig, LatencyConfig, RoutingConfig
 from pagedweight.policy import POLICY_NAMES
 from pagedweight.spec import PRECISIONS, ModelSpec, get_precision, ladder, load_gpu, load_model
@@ -230,12 +230,7 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Loade
     src = str(path)
     if not path.is_file():
         raise ScenarioError(f"scenario file {src} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ScenarioError(f"{src}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ScenarioError(f"{src}: expected a mapping of scenario keys; allowed: {', '.join(Scenario.model_fields)}")
+    raw = read_yaml_mapping(path, ScenarioError, list(Scenario.model_fields))
     raw = apply_overrides(raw, overrides or [], src)
     try:
         scenario = Scenario.model_validate(raw)

@@ -21,10 +21,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pagedweight.errors import SpecError, format_validation_error
+from pagedweight.errors import SpecError, format_validation_error, read_yaml_mapping
 
 # --------------------------------------------------------------------------------------------
 # Precisions
@@ -291,13 +290,7 @@ def list_gpus() -> list[str]:
 
 
 def _load_yaml_model(path: Path, cls: type[BaseModel]) -> BaseModel:
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise SpecError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise SpecError(f"{path}: expected a mapping of {cls.__name__} fields at the top level")
+    raw = read_yaml_mapping(path, SpecError, list(cls.model_fields))
     try:
         return cls.model_validate(raw)
     except ValidationError as e:

@@ -37,10 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pagedweight.errors import PagedWeightError, ScenarioError, format_validation_error
+from pagedweight.errors import PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
 from pagedweight.report_data import METRIC_KEYS, policy_metrics, read_summary
 from pagedweight.results import atomic_write_csv, atomic_write_text
 from pagedweight.scenario import load_scenario
@@ -131,12 +130,7 @@ def load_sweep(path: str | Path) -> Sweep:
     src = str(path)
     if not path.is_file():
         raise SweepError(f"sweep file {src} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise SweepError(f"{src}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise SweepError(f"{src}: expected a mapping; allowed keys: {', '.join(SweepSpec.model_fields)}")
+    raw = read_yaml_mapping(path, SweepError, list(SweepSpec.model_fields))
     try:
         spec = SweepSpec.model_validate(raw)
     except ValidationError as e:
