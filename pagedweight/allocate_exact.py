@@ -68,6 +68,7 @@ def solve_exact(problem: Problem, budget_bytes: int, time_limit_s: float | None 
     n, num_cols = t.num_rows, len(expert)
     col_bytes = t.bytes[expert, level]
     col_loss = t.dloss[expert, level]
+    byte_scale = max(budget_bytes, 1) / 1000.0
     loss_scale = float(col_loss.max()) or 1.0  # losses are ~1e-6 nats: bring them to O(1) for tolerances
 
     def solve(limit_bytes: int) -> tuple[np.ndarray, bool]:
@@ -77,12 +78,14 @@ def solve_exact(problem: Problem, budget_bytes: int, time_limit_s: float | None 
         lp.col_lower_ = np.zeros(num_cols)
         lp.col_upper_ = np.ones(num_cols)
         lp.row_lower_ = np.concatenate([np.ones(n), [-highspy.kHighsInf]])
-        # Bytes in MiB keep coefficients near 1..1e3; the plan's exact bytes are rechecked below.
-        lp.row_upper_ = np.concatenate([np.ones(n), [limit_bytes / MIB]])
+        # Bytes scaled so the budget row is ~1e3: coefficients far from 1 (bytes, or MiB of tiny
+        # test instances, ~1e-6) fall foul of HiGHS's tolerances and gave wrong "optimal" plans.
+        # The plan's exact bytes are rechecked below.
+        lp.row_upper_ = np.concatenate([np.ones(n), [limit_bytes / byte_scale]])
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
         lp.a_matrix_.start_ = np.arange(0, 2 * num_cols + 1, 2, dtype=np.int32)
         lp.a_matrix_.index_ = np.column_stack([expert, np.full(num_cols, n)]).reshape(-1).astype(np.int32)
-        lp.a_matrix_.value_ = np.column_stack([np.ones(num_cols), col_bytes / MIB]).reshape(-1)
+        lp.a_matrix_.value_ = np.column_stack([np.ones(num_cols), col_bytes / byte_scale]).reshape(-1)
         lp.integrality_ = [highspy.HighsVarType.kInteger] * num_cols
         with _quiet_stdout():
             h = highspy.Highs()
@@ -96,10 +99,9 @@ def solve_exact(problem: Problem, budget_bytes: int, time_limit_s: float | None 
         h.passModel(lp)
         start = np.zeros(num_cols)
         start[np.flatnonzero(level == seed.levels[expert])] = 1.0
-        incumbent = highspy.HighsSolution()
-        incumbent.col_value = start.tolist()
-        incumbent.value_valid = True
-        h.setSolution(incumbent)
+        # No warm start from ``start``: HiGHS 1.16 took a solution given by setSolution at an
+        # objective of 0 and declared it optimal (a 3-expert instance came back at loss 7 with
+        # 2 possible). The marginal seed still guards the answer below.
         h.run()
         optimal = h.getModelStatus() == highspy.HighsModelStatus.kOptimal
         x = np.asarray(h.getSolution().col_value)

@@ -261,3 +261,17 @@ def test_tables_built_in_code_with_rising_bytes_are_rejected():
     table = make_table(1, 2, ["bf16", "int4"], [[4, 1], [2, 3]], [[0, 1]] * 2, [1, 1])
     with pytest.raises(AllocationError, match=r"expert 1: bytes \[2, 3\] increase down the ladder \['bf16', 'int4'\]"):
         allocate(table, 10, "marginal")
+
+
+def test_exact_regression_three_experts_with_a_pin():
+    """Hypothesis found this: HiGHS given the marginal plan as a warm start called it optimal."""
+    z = np.zeros(3)
+    table = ImportanceTable(
+        model="random", ladder=("int8", "int4", "int3", "int2"), num_layers=1, num_experts=3,
+        routing_freq=z.copy(), routing_weight_mass=z.copy(), importance=z.copy(),
+        dloss=np.array([[0.0, 0, 2, 4], [0, 0, 0, 0], [0, 3, 6, 7]]),
+        bytes=np.array([[14, 14, 9, 1], [10, 1, 1, 1], [28, 20, 5, 1]]),
+    )  # fmt: skip
+    problem = Problem.build(table, np.array([-1, PRECISION_ID["int8"], -1], dtype=np.int8))
+    plan = solve_exact(problem, 51)
+    assert plan.sum_dloss == pytest.approx(2.0) == brute_force(problem, 51)
