@@ -8,6 +8,9 @@ from pagedweight.cli_util import build_main
 
 COMMANDS: dict[str, str] = {
     "profile": "pwgpu.commands.profile",
+    "serve": "pwgpu.commands.serve",
+    "replay": "pwgpu.commands.replay",
+    "run": "pwgpu.commands.run",
 }
 
 main = build_main(

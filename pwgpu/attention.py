@@ -1,0 +1,166 @@
+"""The KV cache in the unified arena, and attention that reads it through block tables.
+
+KV block ``b`` (``pagedweight.pool.KvBlockAllocator``: ``b = page * blocks_per_page + slot``)
+lives at byte ``page * page_bytes + slot * block_bytes`` of the arena and holds, for its
+``block_tokens`` tokens, every layer's K and V: ``[L, 2, T_blk, Hkv, D]`` in the KV dtype. One
+block per token range for all layers keeps a block's size equal to the scheduler's
+``block_tokens * kv_bytes_per_token``, the unit the pool counts.
+
+- ``paged_attention``: prefill chunks (and mixed batches) gather each request's context and use
+  SDPA with a causal mask offset by the tokens already cached; a batch of pure decodes uses
+  ``paged_decode`` (Triton on CUDA, ``paged_decode_ref`` elsewhere).
+
+Shape legend: T = new tokens, B = requests, Hq / Hkv = query / KV heads, D = head dim,
+L = layers, M = max blocks per request, T_blk = tokens per block, C = context tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F_
+
+
+@dataclass
+class AttentionBatch:
+    """Where the new tokens of one step go and what they attend to."""
+
+    query_starts: list[int]  # [B + 1] offsets of each request's new tokens in the flat batch
+    context_lens: torch.Tensor  # [B] int64: tokens in the cache after this step
+    block_tables: torch.Tensor  # [B, M] int64 KV block ids (padded with 0)
+    slot_blocks: torch.Tensor  # [T] int64: block id of each new token
+    slot_offsets: torch.Tensor  # [T] int64: position inside that block
+    all_decode: bool  # every request adds exactly one token
+
+
+class PagedKvCache:
+    def __init__(
+        self,
+        arena: torch.Tensor,
+        page_bytes: int,
+        block_tokens: int,
+        blocks_per_page: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ):
+        elem = torch.tensor([], dtype=dtype).element_size()
+        self.block_bytes = num_layers * 2 * block_tokens * num_kv_heads * head_dim * elem
+        if page_bytes % elem or blocks_per_page * self.block_bytes > page_bytes:
+            raise ValueError(f"{blocks_per_page} KV blocks of {self.block_bytes} B do not fit a {page_bytes} B page")
+        self.arena, self.dtype = arena, dtype
+        self.page_bytes, self.block_tokens, self.blocks_per_page = page_bytes, block_tokens, blocks_per_page
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        num_pages = arena.numel() // page_bytes
+        self.typed = typed = arena[: num_pages * page_bytes].view(dtype)  # the arena as KV elements
+        tok = num_kv_heads * head_dim
+        strides = (
+            page_bytes // elem,
+            self.block_bytes // elem,
+            2 * block_tokens * tok,
+            block_tokens * tok,
+            tok,
+            head_dim,
+            1,
+        )
+        size = (num_pages, blocks_per_page, num_layers, 2, block_tokens, num_kv_heads, head_dim)
+        self.view = torch.as_strided(typed, size, strides)  # [pages, bpp, L, 2, T_blk, Hkv, D]
+
+    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [T, Hkv, D] into token ``offsets[i]`` of block ``blocks[i]``."""
+        page, slot = blocks // self.blocks_per_page, blocks % self.blocks_per_page
+        self.view[page, slot, layer, 0, offsets] = k.to(self.dtype)
+        self.view[page, slot, layer, 1, offsets] = v.to(self.dtype)
+
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_table [B, M] -> K, V [B, M * T_blk, Hkv, D]."""
+        b, m = block_table.shape
+        page, slot = block_table // self.blocks_per_page, block_table % self.blocks_per_page
+        kv = self.view[page, slot, layer]  # [B, M, 2, T_blk, Hkv, D]
+        kv = kv.reshape(b, m, 2, self.block_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        kv = kv.reshape(b, 2, m * self.block_tokens, self.num_kv_heads, self.head_dim)
+        return kv[:, 0], kv[:, 1]
+
+    def block_offsets(self, layer: int, block_table: torch.Tensor) -> torch.Tensor:
+        """Element offset of each block's layer-``layer`` K section in the typed arena: [B, M]."""
+        elem = self.view.element_size()
+        page, slot = block_table // self.blocks_per_page, block_table % self.blocks_per_page
+        base = page * (self.page_bytes // elem) + slot * (self.block_bytes // elem)
+        return base + layer * 2 * self.block_tokens * self.num_kv_heads * self.head_dim
+
+
+def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[..., Hkv, D] -> [..., Hq, D] (grouped-query attention)."""
+    return x.repeat_interleave(num_heads // x.shape[-2], dim=-2)
+
+
+def paged_decode_ref(
+    q: torch.Tensor, kv: PagedKvCache, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per request: q [B, Hq, D] -> [B, Hq, D], attending to ``context_lens`` tokens."""
+    k, v = kv.gather(layer, block_tables)  # [B, C, Hkv, D]
+    k, v = _expand_kv(k, q.shape[1]).float(), _expand_kv(v, q.shape[1]).float()
+    scores = torch.einsum("bhd,bchd->bhc", q.float(), k) * scale
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None]  # [B, C]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    return torch.einsum("bhc,bchd->bhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+
+
+def paged_decode(q, kv, layer, block_tables, context_lens, scale):
+    if q.is_cuda:
+        from pwgpu.attention_triton import paged_decode_triton
+
+        return paged_decode_triton(q, kv, layer, block_tables, context_lens, scale)
+    return paged_decode_ref(q, kv, layer, block_tables, context_lens, scale)
+
+
+def paged_attention(q: torch.Tensor, kv: PagedKvCache, layer: int, batch: AttentionBatch, scale: float):
+    """q [T, Hq, D] of the new tokens (already written to the cache) -> [T, Hq, D]."""
+    if batch.all_decode:
+        return paged_decode(q, kv, layer, batch.block_tables, batch.context_lens, scale)
+    out = torch.empty_like(q)
+    starts = batch.query_starts
+    ctx_lens = batch.context_lens.tolist()
+    for i in range(len(starts) - 1):
+        s, e, ctx = starts[i], starts[i + 1], ctx_lens[i]
+        n_blocks = -(-ctx // kv.block_tokens)
+        k, v = kv.gather(layer, batch.block_tables[i : i + 1, :n_blocks])
+        k, v = _expand_kv(k[0, :ctx], q.shape[1]), _expand_kv(v[0, :ctx], q.shape[1])  # [C, Hq, D]
+        n = e - s
+        # Query j sits at position ctx - n + j and sees keys [0, ctx - n + j].
+        mask = torch.arange(ctx, device=q.device)[None, :] <= (ctx - n + torch.arange(n, device=q.device))[:, None]
+        o = F_.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), mask, scale=scale
+        )
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+def build_batch(
+    seqs: list[tuple[list[int], int, int]], block_tokens: int, device: torch.device
+) -> tuple[AttentionBatch, torch.Tensor]:
+    """``seqs``: (KV block ids, tokens already cached, new tokens) per request ->
+    (AttentionBatch, positions [T] int64 of the new tokens)."""
+    starts, positions, ctx = [0], [], []
+    for _, computed, n in seqs:
+        starts.append(starts[-1] + n)
+        positions.extend(range(computed, computed + n))
+        ctx.append(computed + n)
+    width = max((len(b) for b, _, _ in seqs), default=1) or 1
+    table = torch.zeros(len(seqs), width, dtype=torch.int64)
+    for i, (blocks, _, _) in enumerate(seqs):
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+    pos = torch.tensor(positions, dtype=torch.int64)
+    row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([n for _, _, n in seqs]))
+    slot_blocks = table[row, pos // block_tokens]
+    batch = AttentionBatch(
+        query_starts=starts,
+        context_lens=torch.tensor(ctx, dtype=torch.int64, device=device),
+        block_tables=table.to(device),
+        slot_blocks=slot_blocks.to(device),
+        slot_offsets=(pos % block_tokens).to(device),
+        all_decode=all(n == 1 for _, _, n in seqs),
+    )
+    return batch, pos.to(device)

@@ -1,0 +1,73 @@
+"""Run a request trace through the engine in-process for one or more policies (no HTTP).
+
+The real-engine counterpart of `pwsim run`: requests arrive at the trace's times on the
+engine's clock; the results directory (requests, steps, transitions, summary, report.html)
+has the simulator's format with "runtime": "pwgpu". --like mixtral-8x7b --layers 4 serves a
+random checkpoint with that model's shape and fewer layers (the GPU benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedweight.policy import POLICY_NAMES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint directory (default: the default model)")
+    src.add_argument("--like", help="built-in model spec (e.g. mixtral-8x7b): random weights of that shape")
+    p.add_argument("--layers", type=int, help="with --like: number of layers (default: the spec's)")
+    p.add_argument("--trace", required=True, help="trace file (azure, mooncake, burstgpt or generic CSV/JSONL)")
+    p.add_argument("--policies", default="static-fp16,pagedweight", help=f"comma list of {', '.join(POLICY_NAMES)}")
+    p.add_argument("--mem-budget", required=True, help="arena size for weights and KV, e.g. '8.5MiB', '60GiB'")
+    p.add_argument("--out", required=True, help="results directory")
+    p.add_argument("--rate-scale", type=float, default=1.0)
+    p.add_argument("--max-requests", type=int)
+    p.add_argument("--page-bytes", help="pool page size (default: >= 32KiB, one KV block at least)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--importance", help="importance table CSV (default: a synthetic table)")
+    p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedweight.errors import PagedWeightError
+    from pagedweight.scenario import parse_bytes
+    from pagedweight.spec import load_model
+    from pagedweight.trace_build import scale_rate, take
+    from pwgpu.default_model import default_model_dir, random_model_dir
+    from pwgpu.engine import EngineConfig
+    from pwgpu.offline import run_policies
+    from pwgpu.replay import load_trace
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICY_NAMES]
+    if bad:
+        raise PagedWeightError(f"unknown policies {bad}; allowed: {', '.join(POLICY_NAMES)}")
+    model_dir = random_model_dir(load_model(args.like), args.layers) if args.like else args.model or default_model_dir()
+    trace = load_trace(args.trace)
+    if args.max_requests is not None:
+        trace = take(trace, args.max_requests)
+    if args.rate_scale != 1.0:
+        trace = scale_rate(trace, args.rate_scale)
+    base = EngineConfig(
+        budget_bytes=parse_bytes(args.mem_budget),
+        page_bytes=parse_bytes(args.page_bytes) if args.page_bytes else None,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        importance=args.importance,
+        device=args.device,
+    )
+    meta = run_policies(model_dir, trace, base, policies, args.out, args.seed)
+    for policy, s in meta["policies"].items():
+        if "error" in s:
+            print(f"{policy:13s} infeasible: {s['error']}")
+            continue
+        print(f"{policy:13s} {s['completed']}/{len(trace)} done, {s['output_throughput']:.1f} tok/s, "
+              f"mean TTFT {s['mean_ttft_ms']:.1f} ms, mean TPOT {s['mean_tpot_ms']:.2f} ms, "
+              f"{s['num_preemptions']} preemptions, {s['num_downgrades']} downgrades, "
+              f"{s['num_upgrades']} upgrades")  # fmt: skip
+    print(f"results in {args.out}")
+    return 0

@@ -1,0 +1,95 @@
+"""Serve a MoE checkpoint over an OpenAI-compatible HTTP API (completions, chat, SSE streaming).
+
+With no --model, serves the tiny random default model (created on first use). Binds to
+127.0.0.1 unless told otherwise. Ctrl-C stops it; with --out the run's results directory
+(requests, steps, transitions, summary) is written on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+from pagedweight.policy import POLICY_NAMES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face checkpoint directory (default: the tiny default model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--mem-budget", default="64MiB", help="arena size for weights and KV, e.g. '64MiB', '70GiB'")
+    p.add_argument("--policy", default="pagedweight", choices=POLICY_NAMES)
+    p.add_argument("--page-bytes", help="pool page size, a power of two (default: >= 32KiB, one KV block at least)")
+    p.add_argument("--kv-block-tokens", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, help="context limit (default: the checkpoint's)")
+    p.add_argument("--max-pending", type=int, default=64, help="unfinished requests before answering 429")
+    p.add_argument("--importance", help="importance table CSV (default: a synthetic table)")
+    p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--api-key", default=os.environ.get("PWGPU_API_KEY"), help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--out", help="write the results directory here on shutdown")
+
+
+def build(args: argparse.Namespace):
+    """(engine thread, FastAPI app) from parsed arguments."""
+    from pagedweight.scenario import parse_bytes
+    from pwgpu.default_model import default_model_dir
+    from pwgpu.engine import Engine, EngineConfig
+    from pwgpu.engine_thread import EngineThread
+    from pwgpu.server import ServerSettings, build_app
+    from pwgpu.tokenizer import Tokenizer
+
+    model_dir = args.model or default_model_dir()
+    cfg = EngineConfig(
+        budget_bytes=parse_bytes(args.mem_budget),
+        policy=args.policy,
+        page_bytes=parse_bytes(args.page_bytes) if args.page_bytes else None,
+        kv_block_tokens=args.kv_block_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        device=args.device,
+        dtype=args.dtype,
+        importance=args.importance,
+    )
+    engine = Engine(model_dir, cfg)
+    try:
+        tokenizer = Tokenizer(model_dir)
+    except Exception:  # no tokenizer.json: token-id prompts only
+        tokenizer = None
+    max_len = engine.core.scheduler.config.max_model_len
+    settings = ServerSettings(
+        model_name=engine.spec.name, api_key=args.api_key, max_pending=args.max_pending,
+        max_prompt_tokens=max_len - 1, max_tokens_limit=max_len - 1,
+    )  # fmt: skip
+    runner = EngineThread(engine).start()
+    return runner, build_app(runner, tokenizer, settings)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    runner, app = build(args)
+    eng = runner.engine
+    usage = eng.core.pool.usage()
+    print(f"pwgpu serve: {eng.spec.name} ({eng.arch.family}) on {eng.device}, policy {args.policy}, "
+          f"{eng.core.pool.num_pages} pages of {eng.page_bytes} B: {usage}; http://{args.host}:{args.port}/v1",
+          flush=True)  # fmt: skip
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it; exiting through SystemExit
+    # instead of the default handler lets the results below be written.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        runner.stop()
+        if args.out:
+            eng.write_results(args.out)
+            print(f"pwgpu serve: results in {args.out}", flush=True)
+    return 0

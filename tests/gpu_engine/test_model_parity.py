@@ -1,0 +1,134 @@
+"""Our MoE transformer against ``transformers`` on tiny random checkpoints of each family."""
+
+import json
+
+import pytest
+import torch
+
+from pwgpu.attention import PagedKvCache, build_batch
+from pwgpu.loader import CheckpointError, expert_masters, load_checkpoint, pinned_weights
+from pwgpu.model import DenseExperts, MoeTransformer
+
+BLOCK_TOKENS = 16
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+def build(model_dir, dtype, max_tokens=128):
+    """Our model with dense experts and a standalone paged KV cache of ``max_tokens`` tokens."""
+    ckpt = load_checkpoint(model_dir)
+    a = ckpt.arch
+    dev = torch.device("cpu")
+    model = MoeTransformer(a, pinned_weights(ckpt, dtype, dev), DenseExperts(*expert_masters(ckpt, dtype)), dev)
+    num_blocks = -(-max_tokens // BLOCK_TOKENS)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    block_bytes = a.num_layers * 2 * BLOCK_TOKENS * a.num_kv_heads * a.head_dim * elem
+    arena = torch.zeros(num_blocks * block_bytes, dtype=torch.uint8)
+    kv = PagedKvCache(arena, block_bytes, BLOCK_TOKENS, 1, a.num_layers, a.num_kv_heads, a.head_dim, dtype)
+    # Blocks in reverse order: the cache must follow the block table, not the arena order.
+    return model, kv, list(range(num_blocks))[::-1]
+
+
+def run(model, kv, blocks, ids, computed):
+    batch, pos = build_batch([(blocks, computed, len(ids))], BLOCK_TOKENS, torch.device("cpu"))
+    return model.logits(model.forward(torch.tensor(ids), pos, batch, kv))
+
+
+def greedy(model, kv, blocks, prompt, steps):
+    out = []
+    logits = run(model, kv, blocks, prompt, 0)
+    n = len(prompt)
+    for _ in range(steps):
+        tok = int(logits[-1].argmax())
+        out.append(tok)
+        logits = run(model, kv, blocks, [tok], n)
+        n += 1
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_logits_match_transformers(checkpoints, family):
+    path, hf = checkpoints[family]
+    model, kv, blocks = build(path, torch.float32)
+    prompt = torch.randint(0, 96, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = run(model, kv, blocks, prompt, 0)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    rel = (ours - ref).abs().max() / ref.abs().max()
+    assert rel < 1e-4, f"{family}: max relative logit error {rel:.2e}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_equals_one_pass(checkpoints, family):
+    """A prompt computed in chunks (13 + 11 + 1 tokens) through the paged cache gives the same
+    last logits as one pass: the cache holds exactly what attention needs."""
+    path, _ = checkpoints[family]
+    model, kv, blocks = build(path, torch.float32)
+    prompt = list(range(3, 28))
+    whole = run(model, kv, blocks, prompt, 0)[-1]
+    run(model, kv, blocks, prompt[:13], 0)
+    run(model, kv, blocks, prompt[13:24], 13)
+    last = run(model, kv, blocks, prompt[24:], 24)[-1]
+    torch.testing.assert_close(last, whole, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ("mixtral", "qwen2_moe", "olmoe"))
+def test_greedy_generation_matches_transformers(checkpoints, family):
+    path, hf = checkpoints[family]
+    model, kv, blocks = build(path, torch.float32)
+    prompt = [5, 17, 42, 9, 33, 71, 2, 60]
+    ours = greedy(model, kv, blocks, prompt, 32)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert ours == ref[0, len(prompt) :].tolist()
+
+
+# bf16 rounds every activation (8 mantissa bits): after a few layers logits differ by a few
+# bf16 ulps of their magnitude. Stated tolerance: 3% of the largest logit, and the top token of
+# at least 90% of positions agrees.
+BF16_REL = 3e-2
+
+
+@pytest.mark.parametrize("family", ("mixtral", "qwen2_moe", "olmoe"))
+def test_bf16_logits_within_tolerance(checkpoints, family):
+    path, hf = checkpoints[family]
+    model, kv, blocks = build(path, torch.bfloat16)
+    prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    ours = run(model, kv, blocks, prompt, 0)
+    with torch.no_grad():
+        ref = hf.to(torch.bfloat16)(torch.tensor([prompt])).logits[0].float()
+        hf.to(torch.float32)
+    rel = (ours - ref).abs().max() / ref.abs().max()
+    assert rel < BF16_REL, f"{family}: bf16 max relative logit error {rel:.2e}"
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_missing_and_misshaped_tensors_are_named(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src, _ = checkpoints["mixtral"]
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 64)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path)
+    msg = str(e.value)
+    assert "missing model.layers.1.block_sparse_moe.experts.3.w2.weight [64, 64]" in msg
+    assert "model.layers.0.self_attn.k_proj.weight has shape [8, 64], expected [32, 64]" in msg
+
+
+def test_config_keys_of_transformers_4_and_pickle_refused(checkpoints, tmp_path):
+    from pwgpu.loader import read_arch
+
+    src, _ = checkpoints["olmoe"]
+    cfg = json.loads((src / "config.json").read_text())
+    new = read_arch(src)
+    cfg.pop("rope_parameters")
+    cfg["rope_theta"] = new.rope_theta
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert read_arch(tmp_path) == new
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match="pickle checkpoints are not loaded"):
+        load_checkpoint(tmp_path)
