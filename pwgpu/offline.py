@@ -57,8 +57,10 @@ def run_policies(
     out_dir: str | Path,
     seed: int = 0,
     report: bool = True,
+    scenario: str | None = None,
 ) -> dict:
-    """Every policy over the same requests, one engine each; one results directory."""
+    """Every policy over the same requests, one engine each; one results directory.
+    ``scenario`` names the run (as ``pwsim run`` does) so that the two can be compared."""
     import dataclasses
 
     writer: ResultsWriter | None = None
@@ -72,7 +74,7 @@ def run_policies(
             continue
         t = truncate_to_context(trace, engine.core.scheduler.config.max_model_len)
         if writer is None:
-            writer = ResultsWriter(Path(out_dir), _meta(engine, t, seed))
+            writer = ResultsWriter(Path(out_dir), _meta(engine, t, seed, scenario))
         ers = run_trace(engine, t, seed)
         reqs = [er.req for er in ers]
         summary = policy_summary(reqs, engine.core, Slo(), time.perf_counter() - wall0, engine.store.h2d_bytes)
@@ -90,13 +92,13 @@ def run_policies(
     return meta
 
 
-def _meta(engine: Engine, trace: RequestTrace, seed: int) -> dict:
+def _meta(engine: Engine, trace: RequestTrace, seed: int, scenario: str | None = None) -> dict:
     import torch
 
     device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
     return {
         "runtime": "pwgpu",
-        "scenario": f"{engine.spec.name} offline",
+        "scenario": scenario or f"{engine.spec.name} offline",
         "model": engine.spec.name,
         "gpu": device,
         "budget_bytes": engine.core.pool.total_bytes,

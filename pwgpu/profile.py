@@ -139,11 +139,15 @@ class Profiler:
         if on_gpu:
             from pwgpu.kernels.moe_gemm import fused_moe as run_moe
         else:
-            from pwgpu.kernels.reference import moe_ffn_paged_ref as run_moe
+            from pwgpu.kernels.reference import moe_ffn_dense_ref
         for prec in self.precisions:
             experts = PagedExperts.from_dense(
                 w1, w3, w2, [prec] * num, quantizer="triton" if on_gpu else "reference", scatter_seed=0
             )
+            if not on_gpu:
+                # The CPU engine dequantises an expert once per precision change and then runs
+                # dense matmuls (pwgpu/weights.py): time that, not a dequantisation per call.
+                dense = [[experts.dequantize_matrix(i, j, self.dtype) for i in range(num)] for j in range(3)]
             for e in es:
                 # The first e experts as a layer of their own: the kernel sizes blocks by m.
                 sub = PagedExperts(experts.pool, experts.page_offsets, experts.first_page[:e], (prec,) * e, h, f,
@@ -152,8 +156,11 @@ class Profiler:
                     x = self._randn(m * e, h)
                     ids = torch.arange(e, device=self.device).repeat_interleave(m)[:, None]
                     weights = torch.ones(m * e, 1, device=self.device)
-                    self._record("moe_ffn", lambda x=x, ids=ids, w=weights, s=sub: run_moe(x, ids, w, s),
-                                 precision=prec, m=m, e=e, n=f, k=h)  # fmt: skip
+                    if on_gpu:
+                        fn = lambda x=x, ids=ids, w=weights, s=sub: run_moe(x, ids, w, s)  # noqa: E731
+                    else:
+                        fn = lambda x=x, ids=ids, w=weights, d=dense: moe_ffn_dense_ref(x, ids, w, *d)  # noqa: E731
+                    self._record("moe_ffn", fn, precision=prec, m=m, e=e, n=f, k=h)
             del experts
         if on_gpu:
             torch.cuda.empty_cache()

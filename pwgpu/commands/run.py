@@ -18,9 +18,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="checkpoint directory (default: the default model)")
     src.add_argument("--like", help="built-in model spec (e.g. mixtral-8x7b): random weights of that shape")
     p.add_argument("--layers", type=int, help="with --like: number of layers (default: the spec's)")
-    p.add_argument("--trace", required=True, help="trace file (azure, mooncake, burstgpt or generic CSV/JSONL)")
-    p.add_argument("--policies", default="static-fp16,pagedweight", help=f"comma list of {', '.join(POLICY_NAMES)}")
-    p.add_argument("--mem-budget", required=True, help="arena size for weights and KV, e.g. '8.5MiB', '60GiB'")
+    p.add_argument(
+        "--scenario",
+        help="scenario YAML: model, budget, pages, scheduler, controller, workload and policies come from it "
+        "(the real counterpart of `pwsim run SCENARIO`, which `pwsim validate` compares with)",
+    )
+    p.add_argument("--trace", help="trace file (azure, mooncake, burstgpt or generic CSV/JSONL)")
+    p.add_argument("--policies", help=f"comma list of {', '.join(POLICY_NAMES)} (default: static-fp16,pagedweight)")
+    p.add_argument("--mem-budget", help="arena size for weights and KV, e.g. '8.5MiB', '60GiB'")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="activations, pinned weights and KV")
     p.add_argument("--out", required=True, help="results directory")
     p.add_argument("--rate-scale", type=float, default=1.0)
     p.add_argument("--max-requests", type=int)
@@ -42,7 +48,11 @@ def run(args: argparse.Namespace) -> int:
     from pwgpu.offline import run_policies
     from pwgpu.replay import load_trace
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.scenario:
+        return _run_scenario(args)
+    if not (args.trace and args.mem_budget):
+        raise PagedWeightError("give --scenario, or --trace and --mem-budget")
+    policies = [p.strip() for p in (args.policies or "static-fp16,pagedweight").split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICY_NAMES]
     if bad:
         raise PagedWeightError(f"unknown policies {bad}; allowed: {', '.join(POLICY_NAMES)}")
@@ -59,15 +69,60 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         importance=args.importance,
         device=args.device,
+        dtype=args.dtype,
     )
     meta = run_policies(model_dir, trace, base, policies, args.out, args.seed)
+    _print(meta, len(trace), args.out)
+    return 0
+
+
+def _run_scenario(args: argparse.Namespace) -> int:
+    """The engine configured exactly as ``pwsim`` configures its RuntimeCore for the scenario."""
+    import numpy as np
+
+    from pagedweight.errors import PagedWeightError
+    from pagedweight.runtime import core_config
+    from pagedweight.scenario import load_scenario
+    from pagedweight.trace_build import build_workload
+    from pwgpu.default_model import default_model_dir, random_model_dir
+    from pwgpu.engine import EngineConfig
+    from pwgpu.offline import run_policies
+
+    if args.trace or args.mem_budget or args.like or args.importance:
+        raise PagedWeightError("--scenario sets the trace, budget, model and importance; drop the other options")
+    loaded = load_scenario(args.scenario)
+    sc = loaded.scenario
+    model_dir = args.model or (default_model_dir() if sc.model == "tiny-moe" else random_model_dir(loaded.model, None))
+    trace = build_workload(sc.workload, loaded.base_dir, loaded.max_model_len, np.random.default_rng(sc.seed))
+    importance = sc.importance.resolved_path(loaded.base_dir) if sc.importance.kind == "file" else None
+    if sc.importance.kind == "synthetic" and (sc.importance.seed, sc.importance.zipf_exponent) != (0, 0.8):
+        raise PagedWeightError(f"{args.scenario}: importance: the engine's synthetic table uses seed 0, zipf 0.8")
+    core = core_config(loaded)
+    base = EngineConfig(
+        budget_bytes=loaded.budget_bytes,
+        page_bytes=sc.memory.page_bytes,
+        kv_block_tokens=sc.memory.kv_block_tokens,
+        max_num_batched_tokens=sc.scheduler.max_num_batched_tokens,
+        max_num_seqs=sc.scheduler.max_num_seqs,
+        max_model_len=loaded.max_model_len,
+        controller=core.controller,
+        importance=str(importance) if importance else None,
+        device=args.device,
+        dtype=args.dtype or "bfloat16",  # the spec's 2-byte KV and pinned weights, as the simulator counts them
+    )
+    policies = [p.strip() for p in args.policies.split(",")] if args.policies else list(sc.policies)
+    meta = run_policies(model_dir, trace, base, policies, args.out, sc.seed, scenario=sc.name)
+    _print(meta, len(trace), args.out)
+    return 0
+
+
+def _print(meta: dict, num_requests: int, out: str) -> None:
     for policy, s in meta["policies"].items():
         if "error" in s:
             print(f"{policy:13s} infeasible: {s['error']}")
             continue
-        print(f"{policy:13s} {s['completed']}/{len(trace)} done, {s['output_throughput']:.1f} tok/s, "
+        print(f"{policy:13s} {s['completed']}/{num_requests} done, {s['output_throughput']:.1f} tok/s, "
               f"mean TTFT {s['mean_ttft_ms']:.1f} ms, mean TPOT {s['mean_tpot_ms']:.2f} ms, "
               f"{s['num_preemptions']} preemptions, {s['num_downgrades']} downgrades, "
               f"{s['num_upgrades']} upgrades")  # fmt: skip
-    print(f"results in {args.out}")
-    return 0
+    print(f"results in {out}")

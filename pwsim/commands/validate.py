@@ -45,8 +45,11 @@ def run(args: argparse.Namespace) -> int:
     v = compare(real_dir, sim_dir, bounds={} if args.no_bounds else None)
     out = Path(args.out) if args.out else sim_dir / "validation.json"
     atomic_write_text(out, json.dumps(v, indent=2, default=float) + "\n")
+    from pagedweight.report import write_report
+
+    page = write_report([sim_dir, real_dir], out.with_name("validation_report.html"))
     print(format_validation(v))
-    print(f"written: {out}")
+    print(f"written: {out}, {page}")
     return EXIT_FAILED if args.check and not v["all_within_bounds"] else 0
 
 
@@ -60,9 +63,9 @@ def _run_both(args: argparse.Namespace) -> tuple[Path, Path]:
     pwgpu = shutil.which("pwgpu")
     if pwgpu is None:
         raise PagedWeightError("the real run needs the pwgpu command (pip install -e '.[gpu]')")
-    cmd = [pwgpu, "run", str(args.scenario), "--out", str(real_dir)]
-    for name in args.policy or []:
-        cmd += ["--policy", name]
+    cmd = [pwgpu, "run", "--scenario", str(args.scenario), "--out", str(real_dir)]
+    if args.policy:
+        cmd += ["--policies", ",".join(args.policy)]
     if subprocess.run(cmd).returncode != 0:
         raise PagedWeightError(f"the real run failed: {' '.join(cmd)}")
     run_scenario(loaded, sim_dir, policies=args.policy, progress=False, report=False)

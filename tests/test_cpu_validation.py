@@ -1,0 +1,41 @@
+"""The CPU validation scenario end to end: the real engine (`pwgpu run --scenario`) and the
+simulator on the same scenario, compared by `pwsim validate`, with the side-by-side report.
+
+The CPU is noisy and its latency table coarse (see benchmarks/RESULTS.md for the measured
+timing errors, which are large), so errors are reported, not bounded, here. What both runtimes share
+is checked: both complete every request, and both come under memory pressure (the controller
+downgrades experts in both)."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(shutil.which("pwgpu") is None, reason="the pwgpu command is not installed")
+def test_cpu_validation_scenario(tmp_path):
+    out = tmp_path / "val"
+    cmd = [sys.executable, "-m", "pwsim.cli", "validate", str(ROOT / "scenarios" / "cpu_validate.yaml"),
+           "--out-dir", str(out), "--no-bounds"]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    v = json.loads((out / "sim" / "validation.json").read_text())
+    assert v["real"]["runtime"] == "pwgpu" and v["sim"]["runtime"] == "pwsim"
+    page = (out / "sim" / "validation_report.html").read_text()
+    assert "data:image/png;base64," in page
+    for policy in ("static-fp16", "pagedweight"):
+        m = v["policies"][policy]["metrics"]
+        for key in ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms"):
+            assert math.isfinite(m[key]["error_perc"]), (policy, key, m[key])
+    for side in ("real", "sim"):
+        summary = json.loads((out / side / "summary.json").read_text())
+        for policy in ("static-fp16", "pagedweight"):
+            assert summary["policies"][policy]["completed"] == 16, (side, policy)
+        # The budget is meant to put both runtimes under memory pressure.
+        assert summary["policies"]["pagedweight"]["num_downgrades"] > 0, side
