@@ -10,9 +10,10 @@ command (a separate process: the simulator never imports the engine; they meet t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from pagedweight.cli_util import EXIT_FAILED
@@ -60,10 +61,11 @@ def _run_both(args: argparse.Namespace) -> tuple[Path, Path]:
     loaded = load_scenario(args.scenario)
     base = Path(args.out_dir or Path("runs") / f"{loaded.scenario.name}-validate")
     sim_dir, real_dir = base / "sim", base / "real"
-    pwgpu = shutil.which("pwgpu")
-    if pwgpu is None:
-        raise PagedWeightError("the real run needs the pwgpu command (pip install -e '.[gpu]')")
-    cmd = [pwgpu, "run", "--scenario", str(args.scenario), "--out", str(real_dir)]
+    # The engine runs as its own process (``python -m pwgpu.cli``, so a checkout on PYTHONPATH
+    # works too): the simulator never imports it.
+    if importlib.util.find_spec("pwgpu") is None or importlib.util.find_spec("torch") is None:
+        raise PagedWeightError("the real run needs pwgpu and torch (pip install -e '.[gpu]')")
+    cmd = [sys.executable, "-m", "pwgpu.cli", "run", "--scenario", str(args.scenario), "--out", str(real_dir)]
     if args.policy:
         cmd += ["--policies", ",".join(args.policy)]
     if subprocess.run(cmd).returncode != 0:
