@@ -11,6 +11,9 @@ COMMANDS: dict[str, str] = {
     "serve": "pwgpu.commands.serve",
     "replay": "pwgpu.commands.replay",
     "run": "pwgpu.commands.run",
+    "train": "pwgpu.commands.train",
+    "importance": "pwgpu.commands.importance",
+    "eval": "pwgpu.commands.eval",
 }
 
 main = build_main(

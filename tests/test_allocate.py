@@ -111,8 +111,9 @@ def test_every_method_fits_the_budget_and_keeps_pins(inst):
 @FAST
 @given(instances())
 def test_marginal_lies_between_its_lp_bound_and_the_rounding_gap(inst):
-    """LP bound <= optimum <= marginal <= LP bound + the split segment's gain. paper-greedy is a
-    feasible plan, so it is never better than marginal by more than the largest hull step."""
+    """LP bound <= optimum <= marginal <= LP bound + the split segment's gain, and marginal is
+    never worse than paper-greedy (the safeguard); the hull greedy alone may be, by at most
+    the largest hull step."""
     table, pins, budget = inst
     problem = Problem.build(table, pins)
     plan = allocate(table, budget, "marginal", pins)
