@@ -1,0 +1,83 @@
+"""Measure the importance table of a checkpoint: routing, gradient score, Fisher dloss per precision, oracle.
+
+Writes the table format of pagedweight/importance.py (read by `pwsim allocate` and the controller).
+--oracle also measures the KL with only one expert quantised (expensive: one forward pass per
+expert and precision; --oracle-experts limits it to a subset). --details writes every estimator
+per expert, including the oracle, for comparing them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# Copies of pwgpu.importance's constants: that module imports torch, which the CLI must not load
+# before a command runs (a test checks the two agree).
+TABLE_LADDER = ("bf16", "fp8", "int8", "int4", "int3", "int2")
+DLOSS_SOURCES = ("fisher-token", "fisher-seq", "output-error", "oracle")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Mixtral-layout checkpoint directory, e.g. models/tiny-moe")
+    parser.add_argument("--data", nargs="+", required=True, metavar="FILE", help="calibration texts, one per domain")
+    parser.add_argument("--out", required=True, metavar="TABLE.csv", help="importance table to write")
+    parser.add_argument("--name", default=None, help="model name in the table (default: the directory name)")
+    parser.add_argument("--tokens", type=int, default=8192, help="calibration tokens per data file (default 8192)")
+    parser.add_argument("--window", type=int, default=256, help="tokens per calibration window (default 256)")
+    parser.add_argument("--ladder", default=",".join(TABLE_LADDER), help="precisions (comma list, starts at bf16)")
+    parser.add_argument("--min-expert-tokens", type=int, default=16, help="below this an expert gets the fallback")
+    parser.add_argument("--dloss", choices=DLOSS_SOURCES, default="fisher-token", help="estimator for dloss_<p>")
+    parser.add_argument("--oracle", action="store_true", help="also measure the oracle KL per expert and precision")
+    parser.add_argument("--oracle-tokens", type=int, default=2048, help="oracle tokens per data file (default 2048)")
+    parser.add_argument(
+        "--oracle-experts", default=None, metavar="L:E,...", help="measure the oracle for these experts only"
+    )
+    parser.add_argument("--details", metavar="FILE.csv", help="write every estimator per expert")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+
+
+def _experts(spec: str | None) -> list[tuple[int, int]] | None:
+    if not spec:
+        return None
+    out = []
+    for item in spec.split(","):
+        layer, _, expert = item.partition(":")
+        out.append((int(layer), int(expert)))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from pagedweight.importance import write_table
+    from pwgpu.evaluate import MoeForward, QualityError, load_tokens
+    from pwgpu.importance import build_table, calibrate, oracle_kl, write_details
+
+    torch.set_num_threads(args.threads)
+    start = time.monotonic()
+    model = MoeForward(args.model)
+    data = {Path(f).stem: load_tokens(args.model, f, max(args.tokens, args.oracle_tokens)) for f in args.data}
+    ladder_names = tuple(s.strip() for s in args.ladder.split(",") if s.strip())
+    est = calibrate(model, data, args.tokens, args.window, ladder_names, args.min_expert_tokens, progress=print)
+    print(f"calibrated on {est.tokens:,} tokens in {time.monotonic() - start:.0f} s")
+    if args.dloss == "oracle" and not args.oracle:
+        raise QualityError("--dloss oracle needs --oracle")
+    if args.oracle:
+        t0 = time.monotonic()
+        oracle_kl(model, est, data, args.oracle_tokens, experts=_experts(args.oracle_experts), progress=print)
+        print(f"oracle measured in {time.monotonic() - t0:.0f} s")
+    name = args.name or Path(args.model).resolve().name
+    source = f"pwgpu importance --model {args.model} --data {' '.join(args.data)}"
+    table, fallback = build_table(model, est, args.dloss, args.min_expert_tokens, name, source)
+    for layer, e, n in fallback:
+        print(f"expert layer {layer} expert {e}: {n} calibration tokens (< {args.min_expert_tokens}); fallback dloss")
+    write_table(table, args.out)
+    if args.details:
+        write_details(args.details, est)
+    lossy = [p for p in table.ladder if p != "bf16"]
+    totals = ", ".join(f"{p} {table.dloss[:, table.ladder.index(p)].sum():.4g}" for p in lossy)
+    print(f"wrote {args.out} ({table.num_rows} experts); sum dloss over experts: {totals} nats/token")
+    print(f"done in {time.monotonic() - start:.0f} s")
+    return 0

@@ -1,0 +1,93 @@
+"""Short versions of the quality commands on a subset, from the command line as users run them:
+pwgpu importance -> pwsim allocate -> pwgpu eval, and the experiments script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from pagedweight.importance import read_table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "models" / "tiny-moe")
+CALIB = [str(ROOT / "data" / "calib" / f"{d}.txt") for d in ("code", "shakespeare")]
+EVAL = [str(ROOT / "data" / "eval" / f"{d}.txt") for d in ("code", "shakespeare")]
+
+
+def _run(*args: str) -> str:
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def table_path(tmp_path_factory):
+    d = tmp_path_factory.mktemp("q")
+    small = [
+        "--tokens",
+        "128",
+        "--window",
+        "64",
+        "--oracle",
+        "--oracle-tokens",
+        "64",
+        "--oracle-experts",
+        "0:0,0:1,0:2",
+    ]
+    out = _run("-m", "pwgpu.cli", "importance", "--model", MODEL, "--data", *CALIB, "--out", str(d / "t.csv"),
+               *small, "--details", str(d / "details.csv"))  # fmt: skip
+    assert "wrote" in out
+    return d / "t.csv"
+
+
+def test_cli_modules_do_not_import_torch():
+    code = (
+        "import sys; import pwgpu.commands.importance as c, pwgpu.commands.eval, pwgpu.commands.train; "
+        "assert 'torch' not in sys.modules; import pwgpu.importance as i; "
+        "assert (c.TABLE_LADDER, c.DLOSS_SOURCES) == (i.TABLE_LADDER, i.DLOSS_SOURCES)"
+    )
+    _run("-c", code)
+
+
+def test_importance_writes_a_table_pwsim_reads(table_path):
+    table = read_table(table_path)
+    assert (table.num_layers, table.num_experts) == (4, 8)
+    assert table.ladder == ("bf16", "fp8", "int8", "int4", "int3", "int2")
+    assert not table.synthetic and "calibration" in table.source
+    assert (table.dloss[:, 0] == 0).all() and (table.dloss[:, -1] > 0).all()
+    details = (table_path.parent / "details.csv").read_text().splitlines()
+    oracle = [ln.split(",")[-1] for ln in details[2:]]  # oracle_int2 of each expert
+    assert sum(v != "nan" for v in oracle) == 3  # only the three requested experts were measured
+
+
+def test_allocate_then_eval(table_path, tmp_path):
+    plan = tmp_path / "plan.csv"
+    _run("-m", "pwsim.cli", "allocate", "--importance", str(table_path), "--budget-fraction", "0.4",
+         "--method", "marginal", "--out", str(plan))  # fmt: skip
+    small = ["--max-tokens", "128", "--window", "64"]
+    out = _run("-m", "pwgpu.cli", "eval", "--model", MODEL, "--plan", str(plan), "--data", *EVAL, *small,
+               "--out", str(tmp_path / "r.csv"))  # fmt: skip
+    rows = (tmp_path / "r.csv").read_text().splitlines()
+    assert rows[0] == "plan,domain,tokens,kl_nats_per_token,ppl_full,ppl_plan" and len(rows) == 3
+    assert all(float(r.split(",")[3]) > 0 for r in rows[1:]), out
+    _run("-m", "pwgpu.cli", "eval", "--model", MODEL, "--uniform", "bf16", "--data", EVAL[0], *small,
+         "--out", str(tmp_path / "full.csv"))  # fmt: skip
+    (row,) = (tmp_path / "full.csv").read_text().splitlines()[1:]
+    assert float(row.split(",")[3]) == 0.0  # the full-precision plan is the reference itself
+
+
+def test_experiments_script_quick(table_path, tmp_path):
+    out = tmp_path / "rep"
+    small = ["--max-eval-tokens", "128", "--fractions", "0.3,0.6", "--calib-tokens", "128"]
+    _run(str(ROOT / "reports" / "quality" / "run_experiments.py"), "--model", MODEL, "--table", str(table_path),
+         "--details", str(table_path.parent / "details.csv"), "--eval", *EVAL, "--calib", *CALIB,
+         "--out", str(out), *small)  # fmt: skip
+    names = ("exp1_quality_vs_memory.csv", "exp3_rank_correlation.csv", "exp4_drift.csv", "summary.json",
+             "exp1_quality_vs_memory.png")  # fmt: skip
+    for name in names:
+        assert (out / name).is_file(), name
