@@ -113,7 +113,18 @@ class FileImportance(_Strict):
         return p if p.is_absolute() else base_dir / p
 
 
-ImportanceConfig = Annotated[SyntheticImportance | FileImportance, Field(discriminator="kind")]
+class MeasuredImportance(_Strict):
+    """The default: the table measured for the model if the project ships one
+    (``traces/importance/<model>.csv``, made by ``pwgpu importance``), else a synthetic table
+    (seed 0), marked so in every output."""
+
+    kind: Literal["measured-or-synthetic"] = "measured-or-synthetic"
+
+
+# Where measured tables live: beside the package in a checkout (``pip install -e``).
+MEASURED_IMPORTANCE_DIR = Path(__file__).resolve().parent.parent / "traces" / "importance"
+
+ImportanceConfig = Annotated[MeasuredImportance | SyntheticImportance | FileImportance, Field(discriminator="kind")]
 
 
 class ControllerConfig(_Strict):
@@ -155,7 +166,7 @@ class Scenario(_Strict):
     scheduler: SchedulerSection = SchedulerSection()
     latency: LatencyConfig = AnalyticLatencyConfig()
     routing: RoutingConfig = RoutingConfig()
-    importance: ImportanceConfig = SyntheticImportance()
+    importance: ImportanceConfig = MeasuredImportance()
     controller: ControllerConfig = ControllerConfig()
     policies: tuple[str, ...] = POLICY_NAMES
     slo: SloConfig = SloConfig()
@@ -302,6 +313,18 @@ def check(scenario: Scenario, source: Path) -> LoadedScenario:
     return loaded
 
 
+def importance_path(loaded: LoadedScenario) -> Path | None:
+    """The importance table file a scenario uses, or None for a synthetic table. Both runtimes
+    call this, so the engine and the simulator plan with the same table."""
+    cfg = loaded.scenario.importance
+    if cfg.kind == "file":
+        return cfg.resolved_path(loaded.base_dir)
+    if cfg.kind == "measured-or-synthetic":
+        measured = MEASURED_IMPORTANCE_DIR / f"{loaded.model.name}.csv"
+        return measured if measured.is_file() else None
+    return None
+
+
 def importance_table(loaded: LoadedScenario):
     """The scenario's importance table, restricted to its precision ladder. A file table must
     describe the scenario's model and cover every precision of the ladder."""
@@ -310,9 +333,10 @@ def importance_table(loaded: LoadedScenario):
     sc = loaded.scenario
     ladder_names = sc.memory.precisions
     cfg = sc.importance
-    if cfg.kind == "synthetic":
-        return synthetic_table(loaded.model, ladder_names, cfg.seed, zipf_exponent=cfg.zipf_exponent)
-    path = cfg.resolved_path(loaded.base_dir)
+    path = importance_path(loaded)
+    if path is None:
+        seed, zipf = (cfg.seed, cfg.zipf_exponent) if cfg.kind == "synthetic" else (0, 0.8)
+        return synthetic_table(loaded.model, ladder_names, seed, zipf_exponent=zipf)
     table = read_table(path)
     where = f"{loaded.source}: importance.path ({path})"
     if (table.num_layers, table.num_experts) != (loaded.model.num_moe_layers, loaded.model.num_experts):

@@ -1,10 +1,10 @@
 """The CPU validation scenario end to end: the real engine (`pwgpu run --scenario`) and the
 simulator on the same scenario, compared by `pwsim validate`, with the side-by-side report.
 
-The CPU is noisy and its latency table coarse (see benchmarks/RESULTS.md for the measured
-timing errors, which are large), so errors are reported, not bounded, here. What both runtimes share
-is checked: both complete every request, and both come under memory pressure (the controller
-downgrades experts in both)."""
+The CPU is noisy and its latency table coarse (benchmarks/RESULTS.md has the measured errors),
+so timing is held only to generous bounds here. What both runtimes share is checked: both
+complete every request, and both come under memory pressure (the controller downgrades
+experts in both)."""
 
 import importlib.util
 import json
@@ -33,9 +33,15 @@ def test_cpu_validation_scenario(tmp_path):
         m = v["policies"][policy]["metrics"]
         for key in ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms"):
             assert math.isfinite(m[key]["error_perc"]), (policy, key, m[key])
+        # Generous bounds (measured on an idle 2-core machine: throughput +42% at worst, mean
+        # E2E -32%); a table measured under heavy load was off by 5-9x and fails these.
+        ratio = m["output_throughput"]["sim"] / m["output_throughput"]["real"]
+        assert 1 / 3 < ratio < 3, (policy, ratio)
+        ratio = m["mean_e2el_ms"]["sim"] / m["mean_e2el_ms"]["real"]
+        assert 1 / 5 < ratio < 5, (policy, ratio)
     for side in ("real", "sim"):
         summary = json.loads((out / side / "summary.json").read_text())
         for policy in ("static-fp16", "pagedweight"):
-            assert summary["policies"][policy]["completed"] == 16, (side, policy)
+            assert summary["policies"][policy]["completed"] == 24, (side, policy)
         # The budget is meant to put both runtimes under memory pressure.
         assert summary["policies"]["pagedweight"]["num_downgrades"] > 0, side

@@ -22,7 +22,7 @@ def test_good_scenario_loads_with_defaults():
     assert s.memory.page_bytes == 64 * 2**10 and s.memory.precisions == ("bf16", "fp8", "int8", "int4")
     assert s.policies == ("static-fp16", "pagedweight") and s.slo.ttft_ms == 500
     assert loaded.max_model_len == loaded.model.max_context_tokens == 2048
-    assert s.latency.kind == "analytic" and s.importance.kind == "synthetic"
+    assert s.latency.kind == "analytic" and s.importance.kind == "measured-or-synthetic"
 
 
 def test_there_are_many_malformed_examples():

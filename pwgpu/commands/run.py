@@ -82,7 +82,7 @@ def _run_scenario(args: argparse.Namespace) -> int:
 
     from pagedweight.errors import PagedWeightError
     from pagedweight.runtime import core_config
-    from pagedweight.scenario import load_scenario
+    from pagedweight.scenario import importance_path, load_scenario
     from pagedweight.trace_build import build_workload
     from pwgpu.default_model import default_model_dir, random_model_dir
     from pwgpu.engine import EngineConfig
@@ -94,7 +94,7 @@ def _run_scenario(args: argparse.Namespace) -> int:
     sc = loaded.scenario
     model_dir = args.model or (default_model_dir() if sc.model == "tiny-moe" else random_model_dir(loaded.model, None))
     trace = build_workload(sc.workload, loaded.base_dir, loaded.max_model_len, np.random.default_rng(sc.seed))
-    importance = sc.importance.resolved_path(loaded.base_dir) if sc.importance.kind == "file" else None
+    importance = importance_path(loaded)
     if sc.importance.kind == "synthetic" and (sc.importance.seed, sc.importance.zipf_exponent) != (0, 0.8):
         raise PagedWeightError(f"{args.scenario}: importance: the engine's synthetic table uses seed 0, zipf 0.8")
     core = core_config(loaded)
