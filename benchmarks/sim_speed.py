@@ -66,9 +66,8 @@ def main() -> int:
     latency = build_latency_model(loaded.scenario.latency, loaded.model, loaded.gpu)
     cfg = core_config(loaded)
     print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()}, policy {args.policy}")
-    print(
-        f"{'x':>3} {'requests':>9} {'steps':>9} {'sim_s':>9} {'wall_s':>8} {'sim_s/wall_s':>13} {'steps/s':>9} {'us/step':>8}"
-    )
+    heads = (("x", 3), ("requests", 9), ("steps", 9), ("sim_s", 9), ("wall_s", 8), ("sim_s/wall_s", 13))
+    print(" ".join(f"{h:>{w}}" for h, w in heads + (("steps/s", 9), ("us/step", 8))))
     for times in map(int, args.times.split(",")):
         trace = tiled(base, times)
         t0 = time.perf_counter()
