@@ -111,6 +111,13 @@ def compare(real_dir: str | Path, sim_dir: str | Path, bounds: dict[str, float] 
                 entry["weight_bytes_mean_abs_error_perc"] = {
                     p: float(np.mean(np.abs(ws.get(p, 0 * grid) - wr[p])) / max(np.mean(wr[p]), 1.0) * 100) for p in wr
                 }
+            if len(rs) and len(ss):
+                # Calibration aid: a per-step overhead the latency model lacks shows up as a
+                # difference in mean step time; adding it to the analytic model's (or the table's
+                # fallback's) step_overhead_s removes it.
+                real_step_s, sim_step_s = float(rs["duration_s"].mean()), float(ss["duration_s"].mean())
+                entry["mean_step_s"] = {"real": real_step_s, "sim": sim_step_s}
+                entry["suggested_extra_step_overhead_s"] = real_step_s - sim_step_s
         if real_tr is not None and sim_tr is not None:
             rt = real_tr[(real_tr["policy"] == policy) & (real_tr["kind"] != "abort")]
             st = sim_tr[(sim_tr["policy"] == policy) & (sim_tr["kind"] != "abort")]
@@ -137,4 +144,12 @@ def format_validation(v: dict) -> str:
             lines.append(
                 f"    {m:26s} real {row['real']:12.4g}  sim {row['sim']:12.4g}  {row['error_perc']:+8.1f}%{flag}"
             )
+        if "suggested_extra_step_overhead_s" in e:
+            st = e["mean_step_s"]
+            lines.append(
+                f"    mean step: real {st['real'] * 1e3:.2f} ms, sim {st['sim'] * 1e3:.2f} ms -> add "
+                f"{e['suggested_extra_step_overhead_s'] * 1e3:+.2f} ms to the latency model's step_overhead_s"
+            )
+    if v.get("out_of_grid"):
+        lines.append(f"  latency-table points outside the measured grid (timed by the fallback): {v['out_of_grid']}")
     return "\n".join(lines)

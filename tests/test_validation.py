@@ -35,6 +35,7 @@ def test_identical_runs_have_zero_error(two_runs):
     assert v["all_within_bounds"]
     for e in v["policies"].values():
         assert all(row["error_perc"] == 0 for row in e["metrics"].values())
+        assert e["suggested_extra_step_overhead_s"] == 0
         assert all(err == 0 for err in e["weight_bytes_mean_abs_error_perc"].values())
 
 
