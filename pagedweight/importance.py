@@ -13,7 +13,9 @@ leading layers are not in the table). Columns, in this order:
   ``g = dL(x)/dy_i(x)`` is the gradient of that token's loss with respect to expert i's output
   vector ``y_i(x)`` (H values, before the gate weight multiplies it); ``Var`` is the variance
   of g over its H hidden components. ``E_x`` averages over *all* calibration tokens; g is zero
-  for tokens not routed to i, so I_i grows with how often the expert is used.
+  for tokens not routed to i, so I_i grows with how often the expert is used. The measured
+  tables (``pwgpu importance``) take L as the summed loss of a calibration window rather than
+  each token's own loss: one backward pass per window instead of one per token.
 - for every precision p of the table's ladder, most precise first: ``dloss_<p>``, the estimated
   mean loss increase per token (nats) when only this expert is stored at p, and ``bytes_<p>``,
   the expert's exact bytes at p (all three matrices, scales and zero points included). Bytes
