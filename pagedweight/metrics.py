@@ -160,6 +160,7 @@ class StepRecorder:
         "num_upgrades",
         "bytes_downgraded",
         "bytes_upgraded",
+        "bytes_swapped",
         "quality_proxy",
     )
     WEIGHT_COLUMNS = tuple(f"weight_pages_{p}" for p in PRECISION_NAMES)
@@ -185,6 +186,7 @@ class StepRecorder:
         num_upgrades: int = 0,
         bytes_downgraded: int = 0,
         bytes_upgraded: int = 0,
+        bytes_swapped: int = 0,
         quality_proxy: float = 0.0,
     ) -> None:
         counts = pool._count  # read-only view; copying the whole usage dict per step costs more
@@ -209,6 +211,7 @@ class StepRecorder:
                 num_upgrades,
                 bytes_downgraded,
                 bytes_upgraded,
+                bytes_swapped,
                 quality_proxy,
                 *(int(counts[weight_owner(i)]) for i in range(NUM_OWNERS - weight_owner(0))),
             )

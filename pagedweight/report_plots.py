@@ -277,8 +277,13 @@ def quality_figure(run: RunResults, out_png: Path) -> Path:
 
 def transitions_figure(run: RunResults, out_png: Path, num_bins: int = 200) -> Path | None:
     """Bytes upgraded (host to device, up) and downgraded (on the device, down) per second per
-    policy that changed precision, against the host-to-device copy budget."""
-    policies = dynamic_policies(run)
+    policy that changed precision, KV bytes swapped per second for kv-swap, against the
+    host-to-device copy budget."""
+    swapping = set()
+    if "bytes_swapped" in run.steps:
+        swapping = set(run.steps.loc[run.steps["bytes_swapped"] > 0, "policy"])
+    moving = set(dynamic_policies(run)) | swapping
+    policies = [p for p in run.policies if p in moving]
     if not policies:
         return None
     budget = run.copy_budget_bytes_per_s()
@@ -293,6 +298,11 @@ def transitions_figure(run: RunResults, out_png: Path, num_bins: int = 200) -> P
         width = edges[1] - edges[0] if len(edges) > 1 else end_s
         ax.bar(edges, up / 1e9, width, align="edge", color=PRECISION_COLOURS["bf16"], label="upgraded (host to device)")
         ax.bar(edges, -down / 1e9, width, align="edge", color=PRECISION_COLOURS["int4"], label="downgraded (on device)")
+        if policy in swapping:
+            _, swap = bin_sum(t, steps["bytes_swapped"].to_numpy(), end_s, num_bins)
+            ax.bar(
+                edges, swap / 1e9, width, align="edge", color="#1f77b4", alpha=0.7, label="KV swapped (host <-> device)"
+            )
         if budget:
             ax.axhline(budget / 1e9, color="black", ls="--", lw=1.0, label="host-to-device copy budget")
         ax.axhline(0, color="black", lw=0.5)

@@ -179,7 +179,11 @@ class RuntimeCore:
         return float(self._quality[np.arange(pt.num_experts), pt.precision_ids].sum())
 
     # ---- steps ----------------------------------------------------------------------------------
-    def record_step(self, start_s: float, duration_s: float, batch: Batch, shape: StepShape) -> None:
+    def record_step(
+        self, start_s: float, duration_s: float, batch: Batch, shape: StepShape, bytes_swapped: int = 0
+    ) -> None:
+        """One row of steps.csv. ``bytes_swapped``: KV bytes the step moved between host and
+        device (the kv-swap policy)."""
         sched, c = self.scheduler, self._counters
         self.steps.record(
             start_s=start_s,
@@ -196,6 +200,7 @@ class RuntimeCore:
             num_upgrades=c[1],
             bytes_downgraded=c[2],
             bytes_upgraded=c[3],
+            bytes_swapped=bytes_swapped,
             quality_proxy=self.quality_proxy,
         )
         self._counters = [0, 0, 0, 0]

@@ -149,13 +149,13 @@ class SimEngine:
             tokens = routing.sample(shape.num_tokens)
             core.observe_routing(tokens)
             duration_s = latency.step_time_s(shape, tokens, core.precision_grid) + self._step_extra_s
-            swapped = batch.swapped_out_tokens + batch.swapped_in_tokens
-            if swapped:  # kv-swap: KV copies over PCIe, before the step that needs the blocks
-                duration_s += latency.h2d_time_s(swapped * kv_bytes_per_token)
+            swapped_bytes = (batch.swapped_out_tokens + batch.swapped_in_tokens) * kv_bytes_per_token
+            if swapped_bytes:  # kv-swap: KV copies over PCIe, before the step that needs the blocks
+                duration_s += latency.h2d_time_s(swapped_bytes)
                 self.bytes_h2d += batch.swapped_in_tokens * kv_bytes_per_token
             yield env.timeout(duration_s)
             sched.finish_step(batch, env.now)
-            core.record_step(start_s, duration_s, batch, shape)
+            core.record_step(start_s, duration_s, batch, shape, swapped_bytes)
 
     def run(self, progress=None) -> None:
         """Run to the last request. ``progress(now_s)`` is called every 1/200 of the trace."""

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import simpy
 import yaml
@@ -127,3 +128,23 @@ def test_same_seed_same_results_and_golden_summary(tmp_path):
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps(_golden_view(first), indent=2, sort_keys=True) + "\n")
     assert _golden_view(first) == json.loads(GOLDEN.read_text())
+
+
+def test_kv_swap_moves_kv_over_pcie_and_records_it(tmp_path):
+    overrides = [
+        "memory.budget=40 MiB",
+        "memory.page_bytes=16 KiB",
+        "memory.kv_block_tokens=8",
+        "workload.num_requests=150",
+        "workload.arrival.rate_qps=400",
+        "workload.lengths.prompt_tokens=600",
+        "workload.lengths.output_tokens=400",
+        "policies=[kv-swap]",
+    ]
+    loaded = load_scenario(FIXTURES / "scenarios" / "good.yaml", overrides)  # fmt: skip
+    s = run_scenario(loaded, tmp_path / "swap", report=False)["policies"]["kv-swap"]
+    steps = pd.read_csv(tmp_path / "swap" / "steps.csv")
+    assert s["num_preemptions"] > 0 and s["completed"] == 150
+    kv_bytes_per_token = loaded.model.kv_bytes_per_token()
+    assert steps["bytes_swapped"].sum() > 0 and steps["bytes_swapped"].sum() % kv_bytes_per_token == 0
+    assert s["h2d_bytes"] == steps["bytes_swapped"].sum() // 2  # every swapped-out token comes back in
