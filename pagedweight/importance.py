@@ -441,11 +441,26 @@ class RoutingTracker:
         )
 
 
+def on_ladder(table: ImportanceTable, ladder_names: tuple[str, ...] | list[str], where: str = "") -> ImportanceTable:
+    """The table's columns for exactly these precisions, most precise first, so that every
+    planner (simulator and engine alike) chooses among the same options."""
+    missing = [p for p in ladder_names if p not in table.ladder]
+    if missing:
+        raise ImportanceError(
+            f"{where or 'importance table'}: no dloss/bytes columns for {missing}; the table has {list(table.ladder)}"
+        )
+    cols = [table.ladder.index(p) for p in ladder_names]
+    return table.replace(
+        ladder=tuple(ladder_names), dloss=table.dloss[:, cols].copy(), bytes=table.bytes[:, cols].copy()
+    )
+
+
 __all__ = [
     "BASE_COLUMNS",
     "QUANT_NOISE",
     "ImportanceTable",
     "RoutingTracker",
+    "on_ladder",
     "read_table",
     "synthetic_table",
     "validate",

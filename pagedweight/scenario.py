@@ -328,7 +328,7 @@ def importance_path(loaded: LoadedScenario) -> Path | None:
 def importance_table(loaded: LoadedScenario):
     """The scenario's importance table, restricted to its precision ladder. A file table must
     describe the scenario's model and cover every precision of the ladder."""
-    from pagedweight.importance import read_table, synthetic_table  # heavy-ish; only when running
+    from pagedweight.importance import ImportanceError, on_ladder, read_table, synthetic_table
 
     sc = loaded.scenario
     ladder_names = sc.memory.precisions
@@ -344,10 +344,7 @@ def importance_table(loaded: LoadedScenario):
             f"{where}: table has {table.num_layers} layers x {table.num_experts} experts; "
             f"{loaded.model.name} has {loaded.model.num_moe_layers} x {loaded.model.num_experts}"
         )
-    missing = [p for p in ladder_names if p not in table.ladder]
-    if missing:
-        raise ScenarioError(f"{where}: no dloss/bytes columns for {missing}; the table has {list(table.ladder)}")
-    cols = [table.ladder.index(p) for p in ladder_names]
-    return table.replace(
-        ladder=tuple(ladder_names), dloss=table.dloss[:, cols].copy(), bytes=table.bytes[:, cols].copy()
-    )
+    try:
+        return on_ladder(table, ladder_names, where)
+    except ImportanceError as e:
+        raise ScenarioError(str(e)) from None

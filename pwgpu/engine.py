@@ -19,7 +19,7 @@ import torch
 
 from pagedweight.controller import ControllerSettings
 from pagedweight.errors import PagedWeightError
-from pagedweight.importance import ImportanceTable, read_table, synthetic_table
+from pagedweight.importance import ImportanceTable, on_ladder, read_table, synthetic_table
 from pagedweight.metrics import Slo
 from pagedweight.results import ResultsWriter, policy_summary
 from pagedweight.runtime import CoreConfig, RuntimeCore
@@ -77,7 +77,9 @@ class Engine:
         master_dtype = torch.float16 if top == "fp16" else torch.bfloat16
         ladder = (top, "fp8", "int8", "int4")
         self.table: ImportanceTable = (
-            _on_ladder(read_table(cfg.importance), ladder) if cfg.importance else synthetic_table(self.spec, ladder)
+            on_ladder(read_table(cfg.importance), ladder, str(cfg.importance))
+            if cfg.importance
+            else synthetic_table(self.spec, ladder)
         )
         if (self.table.num_layers, self.table.num_experts) != (self.spec.num_moe_layers, arch.num_experts):
             raise PagedWeightError(
@@ -283,13 +285,3 @@ class Engine:
         summary = policy_summary(reqs, self.core, Slo(), self.now(), self.store.h2d_bytes)
         writer.add(self.cfg.policy, reqs, self.core, summary)
         return writer.write()
-
-
-def _on_ladder(table: ImportanceTable, ladder: tuple[str, ...]) -> ImportanceTable:
-    """The table's columns for the engine's precisions (as ``pwsim`` restricts a table to a
-    scenario's ladder), so both plan over the same choices."""
-    missing = [p for p in ladder if p not in table.ladder]
-    if missing:
-        raise PagedWeightError(f"importance table has no columns for {missing}; it has {list(table.ladder)}")
-    cols = [table.ladder.index(p) for p in ladder]
-    return table.replace(ladder=ladder, dloss=table.dloss[:, cols].copy(), bytes=table.bytes[:, cols].copy())

@@ -232,3 +232,15 @@ def test_tracker_rescaled_plan_is_what_the_planner_uses(tiny):
     assert np.allclose(rescaled.dloss, tiny.dloss * r[:, None])
     budget = int(tiny.bytes[:, 1].sum())
     assert MarginalPlanner(Problem.build(rescaled)).plan(budget).total_bytes <= budget
+
+
+def test_on_ladder_keeps_exactly_the_named_precisions():
+    from pagedweight.errors import ImportanceError
+    from pagedweight.importance import on_ladder
+
+    table = synthetic_table(load_model("tiny-moe"), ("bf16", "int8", "int4", "int2"), seed=0)
+    sub = on_ladder(table, ("bf16", "int4"))
+    assert sub.ladder == ("bf16", "int4")
+    assert (sub.dloss == table.dloss[:, [0, 2]]).all() and (sub.bytes == table.bytes[:, [0, 2]]).all()
+    with pytest.raises(ImportanceError, match=r"imp.csv: no dloss/bytes columns for \['fp8'\]"):
+        on_ladder(table, ("bf16", "fp8"), "imp.csv")

@@ -15,6 +15,15 @@ from pwsim.run import run_scenario
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = FIXTURES / "golden" / "good_summary.json"
+# The tiny model in a budget that forces KV pressure: every policy has something to do.
+PRESSURE = (
+    "memory.budget=40 MiB",
+    "memory.page_bytes=16 KiB",
+    "memory.kv_block_tokens=8",
+    "workload.num_requests=150",
+    "workload.arrival.rate_qps=400",
+    "workload.lengths.prompt_tokens=600",
+)
 GOLDEN_KEYS = (
     "completed",
     "total_output_tokens",
@@ -108,14 +117,8 @@ def _golden_view(summary):
 
 
 def test_same_seed_same_results_and_golden_summary(tmp_path):
-    # Tiny model, a budget that forces KV pressure: every policy has something to do.
     overrides = [
-        "memory.budget=40 MiB",
-        "memory.page_bytes=16 KiB",
-        "memory.kv_block_tokens=8",
-        "workload.num_requests=150",
-        "workload.arrival.rate_qps=400",
-        "workload.lengths.prompt_tokens=600",
+        *PRESSURE,
         "workload.lengths.output_tokens=60",
         "policies=[static-fp16, static-int4, paper-greedy, pagedweight]",
     ]
@@ -124,23 +127,15 @@ def test_same_seed_same_results_and_golden_summary(tmp_path):
     second = run_scenario(loaded, tmp_path / "b", report=False)
     assert _golden_view(first) == _golden_view(second)
     assert (tmp_path / "a" / "steps.csv").read_text() == (tmp_path / "b" / "steps.csv").read_text()
-    if not GOLDEN.exists():  # first run on a new schema: write it, and the diff shows it in review
+    if not GOLDEN.exists():  # a new schema: write the file for review, and fail until it is committed
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps(_golden_view(first), indent=2, sort_keys=True) + "\n")
+        pytest.fail(f"{GOLDEN} was missing; written now: review it, commit it and run again")
     assert _golden_view(first) == json.loads(GOLDEN.read_text())
 
 
 def test_kv_swap_moves_kv_over_pcie_and_records_it(tmp_path):
-    overrides = [
-        "memory.budget=40 MiB",
-        "memory.page_bytes=16 KiB",
-        "memory.kv_block_tokens=8",
-        "workload.num_requests=150",
-        "workload.arrival.rate_qps=400",
-        "workload.lengths.prompt_tokens=600",
-        "workload.lengths.output_tokens=400",
-        "policies=[kv-swap]",
-    ]
+    overrides = [*PRESSURE, "workload.lengths.output_tokens=400", "policies=[kv-swap]"]
     loaded = load_scenario(FIXTURES / "scenarios" / "good.yaml", overrides)  # fmt: skip
     s = run_scenario(loaded, tmp_path / "swap", report=False)["policies"]["kv-swap"]
     steps = pd.read_csv(tmp_path / "swap" / "steps.csv")
