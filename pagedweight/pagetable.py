@@ -27,10 +27,6 @@ class Transition:
     pages: np.ndarray  # new pages, owned by OWNER_TRANSITION until commit
     num_bytes: int  # bytes of the expert at the new precision
 
-    @property
-    def is_upgrade(self) -> bool:
-        return PRECISIONS[PRECISION_NAMES[self.to_id]].rank > PRECISIONS[PRECISION_NAMES[self.from_id]].rank
-
 
 def expert_pages_by_id(model: ModelSpec, page_bytes: int) -> np.ndarray:
     """Pages one expert occupies at each precision id. The three matrices are paged separately
@@ -65,10 +61,6 @@ class ExpertPageTable:
 
     def weight_pages(self) -> int:
         return int(self.pages_by_id[self.precision_ids].sum())
-
-    def pages_delta(self, expert: int, to_id: int) -> int:
-        """Pages freed (negative: taken) once a change of ``expert`` to ``to_id`` commits."""
-        return int(self.pages_by_id[self.precision_ids[expert]] - self.pages_by_id[to_id])
 
     def begin(self, expert: int, to_id: int) -> Transition:
         """Reserve the new pages of a change. Raises ``PoolExhausted`` if the pool is short."""
