@@ -236,7 +236,11 @@ def apply_overrides(raw: dict, overrides: list[str], source: str) -> dict:
     return raw
 
 
-def load_scenario(path: str | Path, overrides: list[str] | None = None) -> LoadedScenario:
+def load_scenario(
+    path: str | Path, overrides: list[str] | None = None, require_latency_table: bool = True
+) -> LoadedScenario:
+    """``require_latency_table=False`` for the one reader that runs before the table exists:
+    ``pwgpu profile --scenario``, which measures it."""
     path = Path(path)
     src = str(path)
     if not path.is_file():
@@ -247,10 +251,10 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Loade
         scenario = Scenario.model_validate(raw)
     except ValidationError as e:
         raise ScenarioError(format_validation_error(e, src, Scenario, raw)) from None
-    return check(scenario, path)
+    return check(scenario, path, require_latency_table)
 
 
-def check(scenario: Scenario, source: Path) -> LoadedScenario:
+def check(scenario: Scenario, source: Path, require_latency_table: bool = True) -> LoadedScenario:
     """What a schema cannot see: names that must exist, files that must be there, and a
     budget that must hold the model."""
     src = str(source)
@@ -303,7 +307,7 @@ def check(scenario: Scenario, source: Path) -> LoadedScenario:
     lengths = getattr(scenario.workload, "lengths", None)
     if lengths is not None and getattr(lengths, "kind", None) == "file":
         files.append(("workload.lengths.path", lengths.resolved_path(base)))
-    if scenario.latency.kind == "table":
+    if scenario.latency.kind == "table" and require_latency_table:
         files.append(("latency.path", scenario.latency.resolved_path(base)))
     if scenario.importance.kind == "file":
         files.append(("importance.path", scenario.importance.resolved_path(base)))

@@ -135,15 +135,52 @@ def compare(real_dir: str | Path, sim_dir: str | Path, bounds: dict[str, float] 
     return out
 
 
+def step_overhead_key(latency_kind: str) -> str:
+    """The scenario key of the per-deployment step overhead for a latency model kind."""
+    keys = {"analytic": "latency.step_overhead_s", "table": "latency.fallback.step_overhead_s"}
+    if latency_kind not in keys:
+        raise PagedWeightError(
+            f"calibration fits the step overhead of an analytic or table latency model; "
+            f"this scenario's latency kind is {latency_kind!r}"
+        )
+    return keys[latency_kind]
+
+
+def step_time_gap_s(real_dir: str | Path, sim_dir: str | Path, policies: list[str]) -> float:
+    """Mean step time of the real run minus the simulated one, the steps of ``policies`` pooled:
+    the per-step time the latency model lacks (Python and launch work between kernels)."""
+    real_steps, sim_steps = _load(Path(real_dir))[1], _load(Path(sim_dir))[1]
+    if real_steps is None or sim_steps is None:
+        raise PagedWeightError(f"calibration needs steps.csv in {real_dir} and {sim_dir}")
+    rs = real_steps[real_steps["policy"].isin(policies)]["duration_s"]
+    ss = sim_steps[sim_steps["policy"].isin(policies)]["duration_s"]
+    if rs.empty or ss.empty:
+        raise PagedWeightError(f"calibration: no steps of {', '.join(policies)} in both runs")
+    return float(rs.mean() - ss.mean())
+
+
 def format_validation(v: dict) -> str:
     lines = [f"validation of {v['scenario']}: {v['sim']['dir']} (sim) vs {v['real']['dir']} (real)"]
+    cal = v.get("calibration")
+    if cal:
+        lines.append(
+            f"  calibrated: step overhead {cal['step_overhead_s'] * 1e3:.2f} ms (was "
+            f"{cal['initial_step_overhead_s'] * 1e3:.2f} ms), fitted on {', '.join(cal['fitted_on'])} "
+            f"in {cal['iterations']} simulations; other policies are out of sample"
+        )
     for policy, e in v["policies"].items():
-        lines.append(f"  {policy}")
+        tag = ""
+        if cal:
+            tag = "  (in sample: fitted on it)" if policy in cal["fitted_on"] else "  (out of sample)"
+        lines.append(f"  {policy}{tag}")
         for m, row in e["metrics"].items():
             flag = "" if row["ok"] is None else ("  ok" if row["ok"] else f"  OUT OF +-{row['bound_perc']:g}%")
             lines.append(
                 f"    {m:26s} real {row['real']:12.4g}  sim {row['sim']:12.4g}  {row['error_perc']:+8.1f}%{flag}"
             )
+        if cal and policy in cal.get("uncalibrated_errors_perc", {}):
+            before = cal["uncalibrated_errors_perc"][policy]
+            lines.append("    before calibration: " + ", ".join(f"{k} {x:+.1f}%" for k, x in before.items()))
         if "suggested_extra_step_overhead_s" in e:
             st = e["mean_step_s"]
             lines.append(

@@ -6,9 +6,10 @@ lives at byte ``page * page_bytes + slot * block_bytes`` of the arena and holds,
 block per token range for all layers keeps a block's size equal to the scheduler's
 ``block_tokens * kv_bytes_per_token``, the unit the pool counts.
 
-- ``paged_attention``: prefill chunks (and mixed batches) gather each request's context and use
-  SDPA with a causal mask offset by the tokens already cached; a batch of pure decodes uses
-  ``paged_decode`` (Triton on CUDA, ``paged_decode_ref`` elsewhere).
+- ``paged_attention``: every request with one new token (the decodes, also in a batch mixed
+  with prefill chunks) goes through one batched ``paged_decode`` call (Triton on CUDA,
+  ``paged_decode_ref`` elsewhere); each prefill chunk gathers its request's context and uses
+  SDPA with a causal mask offset by the tokens already cached.
 
 Shape legend: T = new tokens, B = requests, Hq / Hkv = query / KV heads, D = head dim,
 L = layers, M = max blocks per request, T_blk = tokens per block, C = context tokens.
@@ -32,6 +33,9 @@ class AttentionBatch:
     slot_blocks: torch.Tensor  # [T] int64: block id of each new token
     slot_offsets: torch.Tensor  # [T] int64: position inside that block
     all_decode: bool  # every request adds exactly one token
+    # Requests adding exactly one token: one batched decode call takes them all, so a mixed
+    # step costs one decode call plus one call per prefill chunk (what the simulator times).
+    decode_seqs: list[int] | None = None
 
 
 class PagedKvCache:
@@ -122,9 +126,16 @@ def paged_attention(q: torch.Tensor, kv: PagedKvCache, layer: int, batch: Attent
         return paged_decode(q, kv, layer, batch.block_tables, batch.context_lens, scale)
     out = torch.empty_like(q)
     starts = batch.query_starts
+    dec = batch.decode_seqs or []
+    if dec:
+        sel = torch.tensor(dec, device=q.device)
+        rows = torch.tensor([starts[i] for i in dec], device=q.device)
+        out[rows] = paged_decode(q[rows], kv, layer, batch.block_tables[sel], batch.context_lens[sel], scale)
     ctx_lens = batch.context_lens.tolist()
     for i in range(len(starts) - 1):
         s, e, ctx = starts[i], starts[i + 1], ctx_lens[i]
+        if e - s == 1 and dec:
+            continue  # done in the batched decode call above
         n_blocks = -(-ctx // kv.block_tokens)
         k, v = kv.gather(layer, batch.block_tables[i : i + 1, :n_blocks])
         k, v = _expand_kv(k[0, :ctx], q.shape[1]), _expand_kv(v[0, :ctx], q.shape[1])  # [C, Hq, D]
@@ -162,5 +173,6 @@ def build_batch(
         slot_blocks=slot_blocks.to(device),
         slot_offsets=(pos % block_tokens).to(device),
         all_decode=all(n == 1 for _, _, n in seqs),
+        decode_seqs=[i for i, (_, _, n) in enumerate(seqs) if n == 1],
     )
     return batch, pos.to(device)

@@ -25,7 +25,7 @@ from pagedweight.results import ResultsWriter, policy_summary
 from pagedweight.runtime import CoreConfig, RuntimeCore
 from pagedweight.scheduler import FINISHED, REJECTED, Request, SchedulerConfig
 from pwgpu.attention import PagedKvCache, build_batch
-from pwgpu.loader import DTYPES, expert_masters, load_checkpoint, pinned_weights
+from pwgpu.loader import DTYPES, default_dtype_name, expert_masters, load_checkpoint, pinned_weights
 from pwgpu.model import MoeTransformer
 from pwgpu.sampling import SamplingParams, sample
 from pwgpu.weights import WeightStore
@@ -64,7 +64,7 @@ class Engine:
     def __init__(self, model_dir: str | Path, cfg: EngineConfig):
         self.cfg = cfg
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype_name = cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        dtype_name = cfg.dtype or default_dtype_name(self.device)
         if dtype_name not in DTYPES:
             raise ValueError(f"dtype {dtype_name!r} unknown; allowed: {', '.join(DTYPES)}")
         self.dtype = DTYPES[dtype_name]

@@ -21,6 +21,12 @@ FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def default_dtype_name(device: torch.device) -> str:
+    """The engine's activation and KV dtype unless told otherwise: bf16 on a GPU; fp32 on a CPU,
+    where bf16 matmuls are emulated and slower (the profiler times the same)."""
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
 class CheckpointError(PagedWeightError):
     """A checkpoint directory that cannot be served, with every reason listed."""
 

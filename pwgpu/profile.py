@@ -21,18 +21,25 @@ import torch.nn.functional as F_
 
 from pagedweight.kernel_table import KEY_COLUMNS
 from pagedweight.spec import PRECISION_NAMES, ModelSpec
+from pwgpu.attention import PagedKvCache, build_batch, paged_attention
 from pwgpu.kernels.paging import PagedExperts
+from pwgpu.loader import DTYPES, default_dtype_name
+from pwgpu.model import Rope, rms_norm
 
 MiB = 1 << 20
 NOTES = (
+    "activations and KV in the engine's dtype on the device (bf16 on a GPU, fp32 on a CPU; meta 'dtype')",
     "moe_ffn: e experts of one precision, each routed exactly m tokens (top-1 routing: the top-k sum, "
     "one elementwise pass, is not timed)",
-    "attn_*: PyTorch SDPA over contiguous KV with the spec's GQA heads (MLA: heads expanded); prefill is "
-    "causal when kv_len == m, else the m new tokens attend to all kv_len tokens",
-    "dense: attention projections as one matrix of the spec's attention parameter count (same bytes and "
-    "FLOPs for GQA and MLA), two RMSNorms, the router and top-k, shared experts",
-    "lm_head: embedding gather, final RMSNorm, LM head, greedy argmax",
-    "quantize: one bf16 [n, k] matrix into a standalone packed blob",
+    "attn_prefill: the engine's paged attention for one chunk of m new tokens whose context after the "
+    "chunk is max(kv_len, m) tokens, K/V written into scattered KV blocks first; attn_decode: the "
+    "engine's batched paged decode for batch requests of kv_len tokens each (MLA specs, which the "
+    "engine does not serve: SDPA over contiguous KV with heads expanded)",
+    "dense: one layer's non-expert work as the engine runs it: two RMSNorms, the q/k/v/o projections, "
+    "RoPE, the router softmax and top-k, shared experts, residual adds (MLA: the attention parameters "
+    "as one matrix)",
+    "lm_head: final RMSNorm, LM head and greedy sampling for m sequences",
+    "quantize: one master [n, k] matrix into a standalone packed blob",
 )
 
 
@@ -56,6 +63,35 @@ class Grid:
             return tuple(sorted({1, model.top_k, model.num_experts}))
         powers = {2**i for i in range(12) if 2**i <= model.num_experts}
         return tuple(sorted(powers | {model.top_k, model.num_experts}))
+
+    @classmethod
+    def fitted(cls, name: str, max_batched_tokens: int, max_num_seqs: int, max_context_tokens: int,
+               copy_bytes: tuple[int, int]) -> Grid:  # fmt: skip
+        """A grid that covers every step a scheduler with these limits can form, so that a
+        simulation of it never leaves the measured range: powers of two from 1 (16 for
+        context lengths) up to the first one at or above each limit; copies in powers of four
+        over ``copy_bytes`` = (smallest, largest)."""
+
+        def up_to(lo: int, hi: int, base: int = 2) -> tuple[int, ...]:
+            vals, v = [], lo
+            while True:
+                vals.append(v)
+                if v >= hi:
+                    return tuple(vals)
+                v *= base
+
+        return cls(
+            name=name,
+            moe_m=up_to(1, max_batched_tokens),
+            attn_prefill_m=up_to(1, max_batched_tokens),
+            attn_prefill_kv=up_to(16, max_context_tokens),
+            attn_decode_batch=up_to(1, max_num_seqs),
+            attn_decode_kv=up_to(16, max_context_tokens),
+            dense_m=up_to(1, max(max_batched_tokens, max_num_seqs)),
+            h2d_bytes=up_to(copy_bytes[0], copy_bytes[1], 4),
+            samples=7,
+            warmup=2,
+        )
 
 
 GRIDS = {
@@ -113,12 +149,13 @@ def time_us(fn: Callable[[], object], device: torch.device, samples: int, warmup
 class Profiler:
     def __init__(self, model: ModelSpec, grid: Grid, device: torch.device, precisions: tuple[str, ...]):
         self.model, self.grid, self.device, self.precisions = model, grid, device, precisions
-        self.dtype = torch.bfloat16
+        self.dtype = DTYPES[default_dtype_name(device)]  # what the engine computes in on this device
+        self.master_dtype = torch.bfloat16  # the host masters experts are quantised from
         self.rows: list[dict] = []
         self.gen = torch.Generator(device=device).manual_seed(0)
 
-    def _randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen, device=self.device, dtype=self.dtype) * scale
+    def _randn(self, *shape: int, scale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen, device=self.device, dtype=dtype or self.dtype) * scale
 
     def _record(self, op: str, fn: Callable[[], object], precision: str = "-", **keys: int) -> None:
         p50, p20, p80 = time_us(fn, self.device, self.grid.samples, self.grid.warmup)
@@ -132,9 +169,10 @@ class Profiler:
         h, f = self.model.hidden_size, self.model.expert_ffn_size
         es = self.grid.moe_e(self.model)
         num = max(es)
-        w1 = [self._randn(f, h, scale=h**-0.5) for _ in range(num)]
-        w3 = [self._randn(f, h, scale=h**-0.5) for _ in range(num)]
-        w2 = [self._randn(h, f, scale=f**-0.5) for _ in range(num)]
+        md = self.master_dtype
+        w1 = [self._randn(f, h, scale=h**-0.5, dtype=md) for _ in range(num)]
+        w3 = [self._randn(f, h, scale=h**-0.5, dtype=md) for _ in range(num)]
+        w2 = [self._randn(h, f, scale=f**-0.5, dtype=md) for _ in range(num)]
         on_gpu = self.device.type == "cuda"
         if on_gpu:
             from pwgpu.kernels.moe_gemm import fused_moe as run_moe
@@ -167,54 +205,106 @@ class Profiler:
 
     def attention(self) -> None:
         spec = self.model
-        heads, kv_heads, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        if spec.attention == "mla":  # the latent is expanded per head at attention time
-            kv_heads, d = heads, spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        if spec.attention == "mla":
+            return self._attention_sdpa()
+        heads, kv_heads, d, block_tokens = spec.num_heads, spec.num_kv_heads, spec.head_dim, 16
+        scale = d**-0.5
+
+        def paged(seqs_tokens: list[tuple[int, int]]):
+            """(tokens cached, new tokens) per request -> the engine's KV write + paged attention
+            over blocks scattered through an arena of exactly the blocks needed."""
+            counts = [-(-(c + n) // block_tokens) for c, n in seqs_tokens]
+            kv = _kv_cache(sum(counts), 1, kv_heads, d, block_tokens, self.dtype, self.device)
+            perm = torch.randperm(sum(counts), generator=torch.Generator().manual_seed(0)).tolist()
+            seqs, at = [], 0
+            for (c, n), cnt in zip(seqs_tokens, counts, strict=True):
+                seqs.append((perm[at : at + cnt], c, n))
+                at += cnt
+            batch, _ = build_batch(seqs, block_tokens, self.device)
+            t = sum(n for _, n in seqs_tokens)
+            q, k, v = self._randn(t, heads, d), self._randn(t, kv_heads, d), self._randn(t, kv_heads, d)
+            kv.write(0, batch.slot_blocks, batch.slot_offsets, k, v)  # fill once, then time write + read
+
+            def fn():
+                kv.write(0, batch.slot_blocks, batch.slot_offsets, k, v)
+                return paged_attention(q, kv, 0, batch, scale)
+
+            return fn
+
+        for m in self.grid.attn_prefill_m:
+            for kv_len in self.grid.attn_prefill_kv:
+                ctx = max(kv_len, m)
+                self._record("attn_prefill", paged([(ctx - m, m)]), m=m, kv_len=kv_len)
+        for b in self.grid.attn_decode_batch:
+            for kv_len in self.grid.attn_decode_kv:
+                self._record("attn_decode", paged([(kv_len - 1, 1)] * b), batch=b, kv_len=kv_len)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _attention_sdpa(self) -> None:
+        """MLA specs: SDPA over contiguous KV, heads expanded (the engine does not serve MLA)."""
+        spec = self.model
+        heads, d = spec.num_heads, spec.qk_nope_head_dim + spec.qk_rope_head_dim
 
         def sdpa(q_len: int, kv_len: int, batch: int, causal: bool):
             q = self._randn(batch, heads, q_len, d)
-            k = self._randn(batch, kv_heads, kv_len, d)
-            v = self._randn(batch, kv_heads, kv_len, d)
-            return lambda: F_.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != heads)
+            k = self._randn(batch, heads, kv_len, d)
+            v = self._randn(batch, heads, kv_len, d)
+            return lambda: F_.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
         for m in self.grid.attn_prefill_m:
             for kv in self.grid.attn_prefill_kv:
-                self._record("attn_prefill", sdpa(m, kv, 1, causal=kv == m), m=m, kv_len=kv)
+                self._record("attn_prefill", sdpa(m, max(kv, m), 1, causal=kv <= m), m=m, kv_len=kv)
         for b in self.grid.attn_decode_batch:
             for kv in self.grid.attn_decode_kv:
                 self._record("attn_decode", sdpa(1, kv, b, causal=False), batch=b, kv_len=kv)
 
     def dense_and_head(self) -> None:
         spec, h = self.model, self.model.hidden_size
-        w_attn = self._randn(spec.attention_params_per_layer() // h, h, scale=h**-0.5)
+        eps = spec.rms_norm_eps
+        if spec.attention == "mla":
+            w_q = self._randn(spec.attention_params_per_layer() // h, h, scale=h**-0.5)
+            w_k = w_v = w_o = None
+        else:
+            hq, hkv, d = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.head_dim
+            w_q, w_o = self._randn(hq, h, scale=h**-0.5), self._randn(h, hq, scale=hq**-0.5)
+            w_k, w_v = self._randn(hkv, h, scale=h**-0.5), self._randn(hkv, h, scale=h**-0.5)
+            rope = Rope(d, 10000.0, self.device)
         router = self._randn(spec.num_experts, h, scale=h**-0.5)
         shared = spec.num_shared_experts * spec.shared_expert_ffn_size
         w_up = self._randn(2 * shared, h, scale=h**-0.5) if shared else None
         w_down = self._randn(h, shared, scale=shared**-0.5) if shared else None
         norm_w = torch.ones(h, device=self.device, dtype=self.dtype)
-        embed = self._randn(spec.vocab_size, h)
-        head = embed if spec.tie_embeddings else self._randn(spec.vocab_size, h, scale=h**-0.5)
+        head = self._randn(spec.vocab_size, h, scale=h**-0.5)
 
-        def dense(x):
-            y = F_.rms_norm(x, (h,), norm_w, spec.rms_norm_eps)
-            y = y @ w_attn.T
-            z = F_.rms_norm(x, (h,), norm_w, spec.rms_norm_eps)
-            logits = z @ router.T
-            torch.topk(logits.float().softmax(-1), spec.top_k)
+        def dense(x, positions):
+            # One layer of the engine's forward (pwgpu/model.py) without attention and experts.
+            y = rms_norm(x, norm_w, eps)
+            q = F_.linear(y, w_q)
+            if w_k is not None:
+                t = x.shape[0]
+                F_.linear(y, w_v)  # V goes to the cache; the attention op times that write
+                q = rope.apply(q.view(t, spec.num_heads, spec.head_dim), positions)
+                rope.apply(F_.linear(y, w_k).view(t, spec.num_kv_heads, spec.head_dim), positions)
+                q = F_.linear(q.reshape(t, -1), w_o)  # attention itself is the attn_* ops
+            x = x + q
+            z = rms_norm(x, norm_w, eps)
+            probs = torch.softmax(F_.linear(z, router).float(), dim=-1)
+            torch.topk(probs, spec.top_k, dim=-1)
             if w_up is not None:
-                gate, up = (z @ w_up.T).chunk(2, dim=-1)
-                (F_.silu(gate) * up) @ w_down.T
-            return y
+                gate, up = F_.linear(z, w_up).chunk(2, dim=-1)
+                x = x + F_.linear(F_.silu(gate) * up, w_down)
+            return x
 
-        def lm_head(tokens):
-            x = F_.rms_norm(embed[tokens], (h,), norm_w, spec.rms_norm_eps)
-            return torch.argmax(x @ head.T, dim=-1)
+        def lm_head(hidden):
+            logits = F_.linear(rms_norm(hidden, norm_w, eps), head).float()
+            return logits.argmax(dim=-1).tolist()  # greedy sampling, as in the validation runs
 
         for m in self.grid.dense_m:
             x = self._randn(m, h)
-            tokens = torch.randint(0, spec.vocab_size, (m,), device=self.device, generator=self.gen)
-            self._record("dense", lambda x=x: dense(x), m=m)
-            self._record("lm_head", lambda t=tokens: lm_head(t), m=m)
+            positions = torch.arange(m, device=self.device)
+            self._record("dense", lambda x=x, p=positions: dense(x, p), m=m)
+            self._record("lm_head", lambda x=x: lm_head(x), m=m)
 
     def quantize(self) -> None:
         h, f = self.model.hidden_size, self.model.expert_ffn_size
@@ -225,7 +315,7 @@ class Profiler:
         for prec in self.precisions:
             for n in sorted({h, f}):
                 for k in sorted({h, f}):  # the full n x k cross product: pwsim's grids have no holes
-                    w = self._randn(n, k, scale=0.02)
+                    w = self._randn(n, k, scale=0.02, dtype=self.master_dtype)
                     self._record("quantize", lambda w=w, p=prec: run_quant(w, p), precision=prec, n=n, k=k)
 
     def h2d_copy(self) -> None:
@@ -235,9 +325,18 @@ class Profiler:
             self._record("h2d_copy", lambda s=src, d=dst: d.copy_(s, non_blocking=True), bytes=num_bytes)
 
 
+def _kv_cache(num_blocks: int, num_layers: int, kv_heads: int, head_dim: int, block_tokens: int,
+              dtype: torch.dtype, device: torch.device) -> PagedKvCache:  # fmt: skip
+    """A KV cache of ``num_blocks`` blocks, one per page, as the engine lays them out."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    block_bytes = num_layers * 2 * block_tokens * kv_heads * head_dim * elem
+    arena = torch.zeros(num_blocks * block_bytes, dtype=torch.uint8, device=device)
+    return PagedKvCache(arena, block_bytes, block_tokens, 1, num_layers, kv_heads, head_dim, dtype)
+
+
 def profile(
     models: list[ModelSpec],
-    grid_name: str = "small",
+    grid_name: str | Grid = "small",
     device: str | torch.device | None = None,
     precisions: tuple[str, ...] = PRECISION_NAMES,
     ops: tuple[str, ...] = ("moe_ffn", "attention", "dense", "quantize", "h2d_copy"),
@@ -248,10 +347,10 @@ def profile(
     ``on_progress(table_so_far, meta)`` runs after each op group, so a run cut short by a time
     limit still leaves what it measured (meta ``complete: false``).
     """
-    if grid_name not in GRIDS:
+    if isinstance(grid_name, str) and grid_name not in GRIDS:
         raise ValueError(f"grid {grid_name!r} unknown; allowed: {', '.join(GRIDS)}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    grid = GRIDS[grid_name]
+    grid = GRIDS[grid_name] if isinstance(grid_name, str) else grid_name
     rows: list[dict] = []
     with torch.inference_mode():
         for model in models:
@@ -291,6 +390,7 @@ def _meta(device: torch.device, grid: Grid, models: list[ModelSpec]) -> dict:
         "cuda": str(torch.version.cuda) if on_gpu else "none",
         "models": [m.name for m in models],
         "grid": grid.name,
+        "dtype": default_dtype_name(device),
         "path": "triton kernels" if on_gpu else "pytorch reference (CPU engine path)",
         "threads": torch.get_num_threads(),
         "notes": list(NOTES),

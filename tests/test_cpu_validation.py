@@ -22,12 +22,22 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_cpu_validation_scenario(tmp_path):
     out = tmp_path / "val"
     cmd = [sys.executable, "-m", "pwsim.cli", "validate", str(ROOT / "scenarios" / "cpu_validate.yaml"),
-           "--out-dir", str(out), "--no-bounds"]  # fmt: skip
+           "--out-dir", str(out), "--no-bounds", "--calibrate", "static-fp16"]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    v = json.loads((out / "sim" / "validation.json").read_text())
+    v = json.loads((out / "sim-calibrated" / "validation.json").read_text())
     assert v["real"]["runtime"] == "pwgpu" and v["sim"]["runtime"] == "pwsim"
-    page = (out / "sim" / "validation_report.html").read_text()
+    # The committed table was measured on a grid fitted to this scenario: nothing falls outside.
+    assert "out_of_grid" not in v
+    # Calibration closed the mean step-time gap on the policy it was fitted on, and kept the
+    # uncalibrated errors beside the calibrated ones.
+    cal = v["calibration"]
+    assert cal["fitted_on"] == ["static-fp16"] and cal["key"] == "latency.fallback.step_overhead_s"
+    real_step_s = v["policies"]["static-fp16"]["mean_step_s"]["real"]
+    assert abs(cal["remaining_gap_s"]) < 0.05 * real_step_s, cal
+    assert set(cal["uncalibrated_errors_perc"]) == {"static-fp16", "pagedweight"}
+    assert "pagedweight  (out of sample)" in run.stdout
+    page = (out / "sim-calibrated" / "validation_report.html").read_text()
     assert "data:image/png;base64," in page
     for policy in ("static-fp16", "pagedweight"):
         m = v["policies"][policy]["metrics"]
@@ -39,7 +49,7 @@ def test_cpu_validation_scenario(tmp_path):
         assert 1 / 3 < ratio < 3, (policy, ratio)
         ratio = m["mean_e2el_ms"]["sim"] / m["mean_e2el_ms"]["real"]
         assert 1 / 5 < ratio < 5, (policy, ratio)
-    for side in ("real", "sim"):
+    for side in ("real", "sim", "sim-calibrated"):
         summary = json.loads((out / side / "summary.json").read_text())
         for policy in ("static-fp16", "pagedweight"):
             assert summary["policies"][policy]["completed"] == 24, (side, policy)

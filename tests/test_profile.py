@@ -4,6 +4,7 @@ what pwsim's table latency model needs."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +75,41 @@ def test_unknown_op_is_a_usage_error(tmp_path):
            "--ops", "moe_ffn,warp_drive"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "warp_drive" in done.stderr
+
+
+def test_fitted_grid_covers_the_scheduler_limits():
+    from pwgpu.profile import Grid
+
+    g = Grid.fitted("t", max_batched_tokens=1000, max_num_seqs=12, max_context_tokens=340, copy_bytes=(32768, 10**6))
+    assert g.moe_m[0] == 1 and g.moe_m[-1] == 1024 and g.attn_prefill_m[-1] == 1024
+    assert g.attn_decode_batch == (1, 2, 4, 8, 16) and g.attn_prefill_kv[-1] == g.attn_decode_kv[-1] == 512
+    assert g.h2d_bytes[0] == 32768 and g.h2d_bytes[-1] >= 10**6
+    assert max(g.dense_m) >= 1000
+
+
+def test_a_table_fitted_to_a_scenario_times_all_of_it(tmp_path):
+    """`pwgpu profile --scenario`: the simulator then never leaves the measured grid."""
+    import yaml
+
+    from pagedweight.scenario import load_scenario
+    from pwsim.run import run_scenario
+
+    root = Path(__file__).resolve().parent.parent
+    src = yaml.safe_load((root / "scenarios" / "cpu_validate.yaml").read_text())
+    src["workload"]["num_requests"] = 8
+    src["scheduler"] = {"max_num_batched_tokens": 256, "max_num_seqs": 8}
+    src["policies"] = ["pagedweight"]
+    src["latency"]["path"] = "cpu.csv"
+    scenario = tmp_path / "small.yaml"
+    scenario.write_text(yaml.safe_dump(src))
+    out = tmp_path / "cpu.csv"
+    cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--scenario", str(scenario), "--out", str(out),
+           "--device", "cpu"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    df, meta = read_kernel_table(tmp_path / "cpu.csv")
+    assert meta["grid"].startswith("fitted to") and meta["dtype"] == "float32"
+    assert set(df[df["op"] == "moe_ffn"]["precision"]) == set(src["memory"]["precisions"])
+    summary = run_scenario(load_scenario(scenario), tmp_path / "run", report=False)
+    assert summary["policies"]["pagedweight"]["completed"] == 8
+    assert not summary.get("out_of_grid"), summary.get("out_of_grid")

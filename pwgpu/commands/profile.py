@@ -3,7 +3,7 @@
 Times the MoE expert FFN per precision over tokens-per-expert x active experts, attention
 prefill and decode, the dense per-layer ops, the LM head, quantisation and host-to-device
 copies, and writes the long CSV of pagedweight/kernel_table.py plus its .meta.yaml. On a
-machine without a GPU it times the CPU engine's PyTorch path (use --grid small).
+machine without a GPU it times the CPU engine's PyTorch path (use --scenario or --grid small).
 """
 
 from __future__ import annotations
@@ -16,11 +16,17 @@ from pagedweight.spec import PRECISION_NAMES, get_precision, load_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="built-in model name or spec .yaml; comma list for several")
+    p.add_argument("--model", help="built-in model name or spec .yaml; comma list (default: the scenario's)")
     p.add_argument("--out", required=True, metavar="traces/kernels/<gpu>.csv", help="CSV to write (meta file beside)")
     p.add_argument("--grid", choices=("small", "full"), default="small", help="measurement grid (default: small)")
+    p.add_argument(
+        "--scenario",
+        metavar="SCENARIO.yaml",
+        help="instead of --grid: a grid fitted to this scenario's scheduler limits and longest request, "
+        "so that simulating it never leaves the measured range",
+    )
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--precisions", default=",".join(PRECISION_NAMES), help="weight precisions to measure (comma list)")
+    p.add_argument("--precisions", help="weight precisions to measure (comma list; default: the scenario's, else all)")
     p.add_argument(
         "--ops",
         default="moe_ffn,attention,dense,quantize,h2d_copy",
@@ -32,8 +38,17 @@ def run(args: argparse.Namespace) -> int:
     from pagedweight.kernel_table import write_kernel_table
     from pwgpu.profile import profile
 
-    models = [load_model(name.strip()) for name in args.model.split(",") if name.strip()]
-    precisions = tuple(get_precision(p.strip()).name for p in args.precisions.split(",") if p.strip())
+    grid, models = args.grid, []
+    if args.scenario:
+        loaded, grid = _fitted_grid(args.scenario)
+        models = [] if args.model else [loaded.model]
+        args.precisions = args.precisions or ",".join(loaded.scenario.memory.precisions)
+    elif not args.model:
+        print("pwgpu profile: error: give --model (or --scenario, whose model is then profiled)", file=sys.stderr)
+        return 2
+    models += [load_model(name.strip()) for name in (args.model or "").split(",") if name.strip()]
+    names = args.precisions or ",".join(PRECISION_NAMES)
+    precisions = tuple(get_precision(p.strip()).name for p in names.split(",") if p.strip())
     ops = tuple(o.strip() for o in args.ops.split(",") if o.strip())
     allowed = ("moe_ffn", "attention", "dense", "quantize", "h2d_copy")
     bad = [o for o in ops if o not in allowed]
@@ -45,8 +60,31 @@ def run(args: argparse.Namespace) -> int:
     def save(table, meta) -> None:
         write_kernel_table(table, args.out, meta)
 
-    df, meta = profile(models, args.grid, args.device, precisions, ops, on_progress=save)
+    df, meta = profile(models, grid, args.device, precisions, ops, on_progress=save)
     save(df, meta)
     print(f"wrote {len(df)} rows for {', '.join(m.name for m in models)} on {meta['device']} to {args.out} "
           f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
     return 0
+
+
+def _fitted_grid(path: str):
+    import numpy as np
+
+    from pagedweight.scenario import load_scenario
+    from pagedweight.trace_build import build_workload
+    from pwgpu.profile import Grid
+
+    loaded = load_scenario(path, require_latency_table=False)
+    sc = loaded.scenario
+    trace = build_workload(sc.workload, loaded.base_dir, loaded.max_model_len, np.random.default_rng(sc.seed))
+    longest = int((trace.prompt_tokens + trace.output_tokens).max()) if len(trace) else 1
+    # Copies: one page at least; an upgrade copies one expert, a KV swap up to the whole budget.
+    expert_bytes = max(loaded.model.expert_bytes(p) for p in sc.memory.precisions)
+    grid = Grid.fitted(
+        f"fitted to {path}",
+        sc.scheduler.max_num_batched_tokens,
+        sc.scheduler.max_num_seqs,
+        min(longest, loaded.max_model_len),
+        (sc.memory.page_bytes, max(expert_bytes, loaded.budget_bytes)),
+    )
+    return loaded, grid

@@ -1,10 +1,16 @@
 """Compare a simulated and a real run of one scenario and print signed % errors.
 
     pwsim validate --real DIR --sim DIR [--out validation.json] [--check]
-    pwsim validate SCENARIO [--policy NAME ...] [--out-dir DIR] [--check]
+    pwsim validate SCENARIO [--policy NAME ...] [--out-dir DIR] [--check] [--calibrate [POLICIES]]
 
 The second form runs both: the simulator here, and the real engine through the ``pwgpu run``
 command (a separate process: the simulator never imports the engine; they meet through files).
+
+``--calibrate`` fits the one per-deployment term, the step overhead, to the real run: the
+simulator is re-run with the overhead moved by the mean step-time gap until the gap is under
+1% of a real step (a few runs). Fit it on one policy (``--calibrate static-fp16``) and the
+errors of the others are out of sample; fitted on all, every error is in sample. The
+uncalibrated errors stay in the output beside the calibrated ones.
 """
 
 from __future__ import annotations
@@ -29,26 +35,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="validation.json path (default: beside the simulated run)")
     p.add_argument("--check", action="store_true", help="exit 1 when an error is outside its bound")
     p.add_argument("--no-bounds", action="store_true", help="report errors without checking bounds (CPU runs)")
+    p.add_argument(
+        "--calibrate",
+        nargs="?",
+        const="all",
+        metavar="POLICIES",
+        help="with SCENARIO: fit the step overhead to the real run of these policies (comma list; default all), "
+        "then compare the calibrated simulation",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from pagedweight.results import atomic_write_text
     from pagedweight.validation import compare, format_validation
 
+    calibration = None
     if args.scenario:
         if args.real or args.sim:
             raise PagedWeightError("give either SCENARIO or --real/--sim, not both")
         real_dir, sim_dir = _run_both(args)
+        if args.calibrate:
+            calibration, sim_dir = _calibrate(args, real_dir, sim_dir)
     else:
         if not (args.real and args.sim):
             raise PagedWeightError("give SCENARIO, or both --real DIR and --sim DIR")
+        if args.calibrate:
+            raise PagedWeightError("--calibrate re-runs the simulator: give SCENARIO, not --real/--sim")
         real_dir, sim_dir = Path(args.real), Path(args.sim)
     v = compare(real_dir, sim_dir, bounds={} if args.no_bounds else None)
+    if calibration:
+        v["calibration"] = calibration
     out = Path(args.out) if args.out else sim_dir / "validation.json"
     atomic_write_text(out, json.dumps(v, indent=2, default=float) + "\n")
     from pagedweight.report import write_report
 
     page = write_report([sim_dir, real_dir], out.with_name("validation_report.html"))
+    if calibration:
+        print(f"calibrated scenario setting: --set {calibration['key']}={calibration['step_overhead_s']:.6g}")
     print(format_validation(v))
     print(f"written: {out}, {page}")
     return EXIT_FAILED if args.check and not v["all_within_bounds"] else 0
@@ -72,3 +95,56 @@ def _run_both(args: argparse.Namespace) -> tuple[Path, Path]:
         raise PagedWeightError(f"the real run failed: {' '.join(cmd)}")
     run_scenario(loaded, sim_dir, policies=args.policy, progress=False, report=False)
     return real_dir, sim_dir
+
+
+CALIBRATION_TOLERANCE = 0.01  # stop when the mean step-time gap is under 1% of a real step
+CALIBRATION_MAX_RUNS = 5
+
+
+def _calibrate(args: argparse.Namespace, real_dir: Path, sim_dir: Path) -> tuple[dict, Path]:
+    """Move the step overhead by the mean step-time gap and re-simulate until the gap closes.
+    Returns the calibration record and the calibrated run's directory."""
+    import pandas as pd
+
+    from pagedweight.scenario import load_scenario
+    from pagedweight.validation import compare, step_overhead_key, step_time_gap_s
+    from pwsim.run import run_scenario
+
+    loaded = load_scenario(args.scenario)
+    ran = list(json.loads((real_dir / "summary.json").read_text())["policies"])
+    fit_on = ran if args.calibrate == "all" else [p.strip() for p in args.calibrate.split(",") if p.strip()]
+    unknown = [p for p in fit_on if p not in ran]
+    if unknown:
+        raise PagedWeightError(
+            f"--calibrate {args.calibrate}: {', '.join(unknown)} not in the real run; allowed: {', '.join(ran)}"
+        )
+    key = step_overhead_key(loaded.scenario.latency.kind)
+    lat = loaded.scenario.latency
+    initial = lat.fallback.step_overhead_s if key.endswith("fallback.step_overhead_s") else lat.step_overhead_s
+    real_steps = pd.read_csv(real_dir / "steps.csv")
+    real_step_s = float(real_steps[real_steps["policy"].isin(fit_on)]["duration_s"].mean())
+    overhead, runs, cal_dir = initial, 0, sim_dir
+    while runs < CALIBRATION_MAX_RUNS:
+        gap = step_time_gap_s(real_dir, cal_dir, fit_on)
+        if runs and abs(gap) < CALIBRATION_TOLERANCE * real_step_s:
+            break
+        overhead = max(0.0, overhead + gap)
+        cal_dir = sim_dir.with_name("sim-calibrated")
+        again = load_scenario(args.scenario, [f"{key}={overhead!r}"])
+        run_scenario(again, cal_dir, policies=args.policy, progress=False, report=False)
+        runs += 1
+    before = compare(real_dir, sim_dir, bounds={})
+    headline = ("output_throughput", "mean_tpot_ms", "median_ttft_ms", "p99_ttft_ms")
+    return {
+        "key": key,
+        "initial_step_overhead_s": initial,
+        "step_overhead_s": overhead,
+        "fitted_on": fit_on,
+        "iterations": runs,
+        "remaining_gap_s": step_time_gap_s(real_dir, cal_dir, fit_on),
+        "uncalibrated_dir": str(sim_dir),
+        "uncalibrated_errors_perc": {
+            p: {m: e["metrics"][m]["error_perc"] for m in headline if m in e["metrics"]}
+            for p, e in before["policies"].items()
+        },
+    }, cal_dir

@@ -64,3 +64,28 @@ def test_reference_matches_contiguous_attention():
     kk, vv = k.repeat_interleave(2, dim=1).transpose(0, 1), v.repeat_interleave(2, dim=1).transpose(0, 1)
     want = F_.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, is_causal=True, scale=0.25).transpose(0, 1)
     torch.testing.assert_close(torch.cat([pre, dec]), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_batch_equals_each_request_alone(device):
+    """A step mixing decodes and prefill chunks (decodes batched into one call, also when they
+    sit between chunks) gives each request what it gets when run alone."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(2)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    kv = make_cache(device, 1, 2, 16, 4, dtype, num_pages=16)
+    # (blocks, tokens cached, new tokens): decode, chunk at offset 0, decode, chunk after 5 cached.
+    seqs = [([3, 9], 6, 1), ([0, 1, 2], 0, 9), ([5], 2, 1), ([11, 12, 13], 5, 6)]
+    total = sum(n for _, _, n in seqs)
+    q = torch.randn(total, 4, 16, device=device, dtype=dtype)
+    batch, _ = build_batch(seqs, 4, torch.device(device))
+    assert batch.decode_seqs == [0, 2] and not batch.all_decode
+    mixed = paged_attention(q, kv, 0, batch, 0.25)
+    start = 0
+    for blocks, cached, n in seqs:
+        alone, _ = build_batch([(blocks, cached, n)], 4, torch.device(device))
+        want = paged_attention(q[start : start + n], kv, 0, alone, 0.25)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(mixed[start : start + n], want, rtol=tol, atol=tol)
+        start += n
