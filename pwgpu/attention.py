@@ -79,13 +79,14 @@ class PagedKvCache:
         self.view[page, slot, layer, 1, offsets] = v.to(self.dtype)
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """block_table [B, M] -> K, V [B, M * T_blk, Hkv, D]."""
+        """block_table [B, M] -> K, V [B, M * T_blk, Hkv, D]: one indexed copy each; the
+        reshape that joins the blocks is a view."""
         b, m = block_table.shape
         page, slot = block_table // self.blocks_per_page, block_table % self.blocks_per_page
-        kv = self.view[page, slot, layer]  # [B, M, 2, T_blk, Hkv, D]
-        kv = kv.reshape(b, m, 2, self.block_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        kv = kv.reshape(b, 2, m * self.block_tokens, self.num_kv_heads, self.head_dim)
-        return kv[:, 0], kv[:, 1]
+        shape = (b, m * self.block_tokens, self.num_kv_heads, self.head_dim)
+        k = self.view[page, slot, layer, 0].reshape(shape)  # [B, M, T_blk, Hkv, D] -> [B, C, Hkv, D]
+        v = self.view[page, slot, layer, 1].reshape(shape)
+        return k, v
 
     def block_offsets(self, layer: int, block_table: torch.Tensor) -> torch.Tensor:
         """Element offset of each block's layer-``layer`` K section in the typed arena: [B, M]."""
@@ -103,13 +104,18 @@ def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 def paged_decode_ref(
     q: torch.Tensor, kv: PagedKvCache, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """One query per request: q [B, Hq, D] -> [B, Hq, D], attending to ``context_lens`` tokens."""
+    """One query per request: q [B, Hq, D] -> [B, Hq, D], attending to ``context_lens`` tokens.
+    The G = Hq / Hkv query heads of a KV head attend to it together, so K and V are never
+    expanded to Hq heads (that copy was most of a CPU decode step)."""
     k, v = kv.gather(layer, block_tables)  # [B, C, Hkv, D]
-    k, v = _expand_kv(k, q.shape[1]).float(), _expand_kv(v, q.shape[1]).float()
-    scores = torch.einsum("bhd,bchd->bhc", q.float(), k) * scale
+    b, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.float().view(b, hkv, hq // hkv, d)
+    scores = torch.einsum("bkgd,bckd->bkgc", qg, k.float()) * scale  # [B, Hkv, G, C]
     valid = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None]  # [B, C]
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    return torch.einsum("bhc,bchd->bhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.einsum("bkgc,bckd->bkgd", torch.softmax(scores, dim=-1), v.float())
+    return out.reshape(b, hq, d).to(q.dtype)
 
 
 def paged_decode(q, kv, layer, block_tables, context_lens, scale):

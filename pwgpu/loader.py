@@ -21,9 +21,14 @@ FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+# A scenario run (``pwgpu run --scenario``) computes in bf16 on any device: the spec's 2-byte KV
+# and pinned weights, as the simulator counts them. ``pwgpu profile --scenario`` times the same.
+SCENARIO_DTYPE = "bfloat16"
+
+
 def default_dtype_name(device: torch.device) -> str:
     """The engine's activation and KV dtype unless told otherwise: bf16 on a GPU; fp32 on a CPU,
-    where bf16 matmuls are emulated and slower (the profiler times the same)."""
+    where bf16 matmuls are emulated and slower."""
     return "bfloat16" if device.type == "cuda" else "float32"
 
 

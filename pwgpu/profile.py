@@ -28,7 +28,7 @@ from pwgpu.model import Rope, rms_norm
 
 MiB = 1 << 20
 NOTES = (
-    "activations and KV in the engine's dtype on the device (bf16 on a GPU, fp32 on a CPU; meta 'dtype')",
+    "activations and KV in meta 'dtype': the engine's default on the device, or bf16 for a scenario run",
     "moe_ffn: e experts of one precision, each routed exactly m tokens (top-1 routing: the top-k sum, "
     "one elementwise pass, is not timed)",
     "attn_prefill: the engine's paged attention for one chunk of m new tokens whose context after the "
@@ -68,25 +68,23 @@ class Grid:
     def fitted(cls, name: str, max_batched_tokens: int, max_num_seqs: int, max_context_tokens: int,
                copy_bytes: tuple[int, int]) -> Grid:  # fmt: skip
         """A grid that covers every step a scheduler with these limits can form, so that a
-        simulation of it never leaves the measured range: powers of two from 1 (16 for
-        context lengths) up to the first one at or above each limit; copies in powers of four
-        over ``copy_bytes`` = (smallest, largest)."""
+        simulation of it never leaves the measured range: powers of two from 1 and the limit
+        itself; copies in powers of four over ``copy_bytes`` = (smallest, largest)."""
 
         def up_to(lo: int, hi: int, base: int = 2) -> tuple[int, ...]:
             vals, v = [], lo
-            while True:
+            while v < hi:  # hi itself ends the axis (a limit below lo makes it (hi,))
                 vals.append(v)
-                if v >= hi:
-                    return tuple(vals)
                 v *= base
+            return (*vals, hi)
 
         return cls(
             name=name,
             moe_m=up_to(1, max_batched_tokens),
             attn_prefill_m=up_to(1, max_batched_tokens),
-            attn_prefill_kv=up_to(16, max_context_tokens),
+            attn_prefill_kv=up_to(1, max_context_tokens),
             attn_decode_batch=up_to(1, max_num_seqs),
-            attn_decode_kv=up_to(16, max_context_tokens),
+            attn_decode_kv=up_to(1, max_context_tokens),
             dense_m=up_to(1, max(max_batched_tokens, max_num_seqs)),
             h2d_bytes=up_to(copy_bytes[0], copy_bytes[1], 4),
             samples=7,
@@ -147,9 +145,11 @@ def time_us(fn: Callable[[], object], device: torch.device, samples: int, warmup
 
 
 class Profiler:
-    def __init__(self, model: ModelSpec, grid: Grid, device: torch.device, precisions: tuple[str, ...]):
+    def __init__(
+        self, model: ModelSpec, grid: Grid, device: torch.device, precisions: tuple[str, ...], dtype: torch.dtype
+    ):
         self.model, self.grid, self.device, self.precisions = model, grid, device, precisions
-        self.dtype = DTYPES[default_dtype_name(device)]  # what the engine computes in on this device
+        self.dtype = dtype  # activations and KV, as the engine to be simulated computes them
         self.master_dtype = torch.bfloat16  # the host masters experts are quantised from
         self.rows: list[dict] = []
         self.gen = torch.Generator(device=device).manual_seed(0)
@@ -341,8 +341,11 @@ def profile(
     precisions: tuple[str, ...] = PRECISION_NAMES,
     ops: tuple[str, ...] = ("moe_ffn", "attention", "dense", "quantize", "h2d_copy"),
     on_progress: Callable[[pd.DataFrame, dict], None] | None = None,
+    dtype: str | None = None,
 ) -> tuple[pd.DataFrame, dict]:
     """Measure every op for every model; returns the long table and its meta dict.
+    ``dtype``: activations and KV (default: the engine's default on the device; a table for a
+    scenario run is measured in ``SCENARIO_DTYPE``).
 
     ``on_progress(table_so_far, meta)`` runs after each op group, so a run cut short by a time
     limit still leaves what it measured (meta ``complete: false``).
@@ -351,18 +354,21 @@ def profile(
         raise ValueError(f"grid {grid_name!r} unknown; allowed: {', '.join(GRIDS)}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     grid = GRIDS[grid_name] if isinstance(grid_name, str) else grid_name
+    dtype = dtype or default_dtype_name(dev)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} unknown; allowed: {', '.join(DTYPES)}")
     rows: list[dict] = []
     with torch.inference_mode():
         for model in models:
-            prof = Profiler(model, grid, dev, precisions)
+            prof = Profiler(model, grid, dev, precisions, DTYPES[dtype])
             steps = {"moe_ffn": prof.moe_ffn, "attention": prof.attention, "dense": prof.dense_and_head,
                      "quantize": prof.quantize, "h2d_copy": prof.h2d_copy}  # fmt: skip
             for op in ops:
                 steps[op]()
                 if on_progress is not None:
-                    on_progress(_frame(rows + prof.rows), {**_meta(dev, grid, models), "complete": False})
+                    on_progress(_frame(rows + prof.rows), {**_meta(dev, grid, models, dtype), "complete": False})
             rows += prof.rows
-    return _frame(rows), {**_meta(dev, grid, models), "complete": True}
+    return _frame(rows), {**_meta(dev, grid, models, dtype), "complete": True}
 
 
 def _frame(rows: list[dict]) -> pd.DataFrame:
@@ -372,7 +378,7 @@ def _frame(rows: list[dict]) -> pd.DataFrame:
     return df
 
 
-def _meta(device: torch.device, grid: Grid, models: list[ModelSpec]) -> dict:
+def _meta(device: torch.device, grid: Grid, models: list[ModelSpec], dtype: str) -> dict:
     import platform
 
     try:
@@ -390,7 +396,7 @@ def _meta(device: torch.device, grid: Grid, models: list[ModelSpec]) -> dict:
         "cuda": str(torch.version.cuda) if on_gpu else "none",
         "models": [m.name for m in models],
         "grid": grid.name,
-        "dtype": default_dtype_name(device),
+        "dtype": dtype,
         "path": "triton kernels" if on_gpu else "pytorch reference (CPU engine path)",
         "threads": torch.get_num_threads(),
         "notes": list(NOTES),

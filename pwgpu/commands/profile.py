@@ -26,6 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "so that simulating it never leaves the measured range",
     )
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        help="activations and KV (default: with --scenario bf16, as `pwgpu run --scenario` computes; "
+        "else the engine's default: bf16 on a GPU, fp32 on a CPU)",
+    )
     p.add_argument("--precisions", help="weight precisions to measure (comma list; default: the scenario's, else all)")
     p.add_argument(
         "--ops",
@@ -36,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pagedweight.kernel_table import write_kernel_table
+    from pwgpu.loader import SCENARIO_DTYPE
     from pwgpu.profile import profile
 
     grid, models = args.grid, []
@@ -43,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         loaded, grid = _fitted_grid(args.scenario)
         models = [] if args.model else [loaded.model]
         args.precisions = args.precisions or ",".join(loaded.scenario.memory.precisions)
+        args.dtype = args.dtype or SCENARIO_DTYPE
     elif not args.model:
         print("pwgpu profile: error: give --model (or --scenario, whose model is then profiled)", file=sys.stderr)
         return 2
@@ -60,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     def save(table, meta) -> None:
         write_kernel_table(table, args.out, meta)
 
-    df, meta = profile(models, grid, args.device, precisions, ops, on_progress=save)
+    df, meta = profile(models, grid, args.device, precisions, ops, on_progress=save, dtype=args.dtype)
     save(df, meta)
     print(f"wrote {len(df)} rows for {', '.join(m.name for m in models)} on {meta['device']} to {args.out} "
           f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
@@ -78,13 +86,15 @@ def _fitted_grid(path: str):
     sc = loaded.scenario
     trace = build_workload(sc.workload, loaded.base_dir, loaded.max_model_len, np.random.default_rng(sc.seed))
     longest = int((trace.prompt_tokens + trace.output_tokens).max()) if len(trace) else 1
-    # Copies: one page at least; an upgrade copies one expert, a KV swap up to the whole budget.
+    context = min(longest, loaded.max_model_len)
+    # Copies: one page at least; an upgrade copies one expert, a KV swap one request's KV.
     expert_bytes = max(loaded.model.expert_bytes(p) for p in sc.memory.precisions)
+    largest_copy = max(expert_bytes, context * loaded.model.kv_bytes_per_token(), sc.memory.page_bytes)
     grid = Grid.fitted(
         f"fitted to {path}",
         sc.scheduler.max_num_batched_tokens,
         sc.scheduler.max_num_seqs,
-        min(longest, loaded.max_model_len),
-        (sc.memory.page_bytes, max(expert_bytes, loaded.budget_bytes)),
+        context,
+        (sc.memory.page_bytes, largest_copy),
     )
     return loaded, grid

@@ -86,6 +86,7 @@ def _run_scenario(args: argparse.Namespace) -> int:
     from pagedweight.trace_build import build_workload
     from pwgpu.default_model import default_model_dir, random_model_dir
     from pwgpu.engine import EngineConfig
+    from pwgpu.loader import SCENARIO_DTYPE
     from pwgpu.offline import run_policies
 
     if args.trace or args.mem_budget or args.like or args.importance:
@@ -108,7 +109,7 @@ def _run_scenario(args: argparse.Namespace) -> int:
         controller=core.controller,
         importance=str(importance) if importance else None,
         device=args.device,
-        dtype=args.dtype or "bfloat16",  # the spec's 2-byte KV and pinned weights, as the simulator counts them
+        dtype=args.dtype or SCENARIO_DTYPE,
     )
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else list(sc.policies)
     meta = run_policies(model_dir, trace, base, policies, args.out, sc.seed, scenario=sc.name)
