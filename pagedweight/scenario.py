@@ -239,8 +239,8 @@ def apply_overrides(raw: dict, overrides: list[str], source: str) -> dict:
 def load_scenario(
     path: str | Path, overrides: list[str] | None = None, require_latency_table: bool = True
 ) -> LoadedScenario:
-    """``require_latency_table=False`` for the one reader that runs before the table exists:
-    ``pwgpu profile --scenario``, which measures it."""
+    """``require_latency_table=False`` for readers that do not time by the table: the profiler
+    that measures it, and the real engine."""
     path = Path(path)
     src = str(path)
     if not path.is_file():

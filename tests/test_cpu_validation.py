@@ -22,13 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_cpu_validation_scenario(tmp_path):
     out = tmp_path / "val"
     cmd = [sys.executable, "-m", "pwsim.cli", "validate", str(ROOT / "scenarios" / "cpu_validate.yaml"),
-           "--out-dir", str(out), "--no-bounds", "--calibrate", "static-fp16"]  # fmt: skip
+           "--out-dir", str(out), "--no-bounds", "--calibrate", "static-fp16", "--profile"]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     v = json.loads((out / "sim-calibrated" / "validation.json").read_text())
     assert v["real"]["runtime"] == "pwgpu" and v["sim"]["runtime"] == "pwsim"
-    # The committed table was measured on a grid fitted to this scenario: nothing falls outside.
-    assert "out_of_grid" not in v
+    # The table was measured just now on a grid fitted to this scenario: nothing falls outside.
+    assert "out_of_grid" not in v and (out / "kernels.csv").is_file()
+    assert str(out / "kernels.csv") in json.loads((out / "sim" / "summary.json").read_text())["latency_model"]
     # Calibration closed the mean step-time gap on the policy it was fitted on, and kept the
     # uncalibrated errors beside the calibrated ones.
     cal = v["calibration"]
@@ -55,3 +56,30 @@ def test_cpu_validation_scenario(tmp_path):
             assert summary["policies"][policy]["completed"] == 24, (side, policy)
         # The budget is meant to put both runtimes under memory pressure.
         assert summary["policies"]["pagedweight"]["num_downgrades"] > 0, side
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the engine needs torch (the gpu extra)")
+def test_engine_gets_the_simulators_synthetic_table(tmp_path):
+    """`pwgpu run --scenario` with any synthetic importance: the engine plans from the very table
+    the simulator builds (same provenance, same initial precision of every expert)."""
+    import yaml
+
+    from pagedweight.scenario import load_scenario
+    from pwsim.run import run_scenario
+
+    src = yaml.safe_load((ROOT / "scenarios" / "cpu_validate.yaml").read_text())
+    src["importance"] = {"kind": "synthetic", "seed": 3, "zipf_exponent": 1.3}
+    src["workload"]["num_requests"] = 3
+    src["policies"] = ["pagedweight"]
+    src["memory"]["budget"] = "30 MiB"  # below BF16 for every expert: the plan picks which to lower
+    src["latency"]["path"] = str(ROOT / "traces" / "kernels" / "cpu.csv")
+    scenario = tmp_path / "synthetic.yaml"
+    scenario.write_text(yaml.safe_dump(src))
+    cmd = [sys.executable, "-m", "pwgpu.cli", "run", "--scenario", str(scenario), "--out", str(tmp_path / "real")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    run_scenario(load_scenario(scenario), tmp_path / "sim", report=False)
+    real, sim = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("real", "sim"))
+    assert "seed=3" in real["importance"] and real["importance"] == sim["importance"]
+    plans = [(tmp_path / d / "initial_precisions.csv").read_text() for d in ("real", "sim")]
+    assert plans[0] == plans[1] and "int" in plans[0]

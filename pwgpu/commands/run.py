@@ -9,6 +9,8 @@ random checkpoint with that model's shape and fewer layers (the GPU benchmark).
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 from pagedweight.policy import POLICY_NAMES
 
@@ -81,24 +83,36 @@ def _run_scenario(args: argparse.Namespace) -> int:
     import numpy as np
 
     from pagedweight.errors import PagedWeightError
+    from pagedweight.importance import write_table
     from pagedweight.runtime import core_config
-    from pagedweight.scenario import importance_path, load_scenario
+    from pagedweight.scenario import importance_path, importance_table, load_scenario
     from pagedweight.trace_build import build_workload
     from pwgpu.default_model import default_model_dir, random_model_dir
+
+    if args.trace or args.mem_budget or args.like or args.importance:
+        raise PagedWeightError("--scenario sets the trace, budget, model and importance; drop the other options")
+    loaded = load_scenario(args.scenario, require_latency_table=False)  # the engine times itself
+    sc = loaded.scenario
+    model_dir = args.model or (default_model_dir() if sc.model == "tiny-moe" else random_model_dir(loaded.model, None))
+    trace = build_workload(sc.workload, loaded.base_dir, loaded.max_model_len, np.random.default_rng(sc.seed))
+    core = core_config(loaded)
+    policies = [p.strip() for p in args.policies.split(",")] if args.policies else list(sc.policies)
+    with tempfile.TemporaryDirectory() as tmp:
+        importance = importance_path(loaded)
+        if importance is None:  # synthetic: hand the engine exactly the table the simulator builds
+            importance = Path(tmp) / "importance.csv"
+            write_table(importance_table(loaded), importance)
+        meta = _run_scenario_engine(args, loaded, core, model_dir, trace, importance, policies)
+    _print(meta, len(trace), args.out)
+    return 0
+
+
+def _run_scenario_engine(args, loaded, core, model_dir, trace, importance, policies) -> dict:
     from pwgpu.engine import EngineConfig
     from pwgpu.loader import SCENARIO_DTYPE
     from pwgpu.offline import run_policies
 
-    if args.trace or args.mem_budget or args.like or args.importance:
-        raise PagedWeightError("--scenario sets the trace, budget, model and importance; drop the other options")
-    loaded = load_scenario(args.scenario)
     sc = loaded.scenario
-    model_dir = args.model or (default_model_dir() if sc.model == "tiny-moe" else random_model_dir(loaded.model, None))
-    trace = build_workload(sc.workload, loaded.base_dir, loaded.max_model_len, np.random.default_rng(sc.seed))
-    importance = importance_path(loaded)
-    if sc.importance.kind == "synthetic" and (sc.importance.seed, sc.importance.zipf_exponent) != (0, 0.8):
-        raise PagedWeightError(f"{args.scenario}: importance: the engine's synthetic table uses seed 0, zipf 0.8")
-    core = core_config(loaded)
     base = EngineConfig(
         budget_bytes=loaded.budget_bytes,
         page_bytes=sc.memory.page_bytes,
@@ -107,14 +121,11 @@ def _run_scenario(args: argparse.Namespace) -> int:
         max_num_seqs=sc.scheduler.max_num_seqs,
         max_model_len=loaded.max_model_len,
         controller=core.controller,
-        importance=str(importance) if importance else None,
+        importance=str(importance),
         device=args.device,
         dtype=args.dtype or SCENARIO_DTYPE,
     )
-    policies = [p.strip() for p in args.policies.split(",")] if args.policies else list(sc.policies)
-    meta = run_policies(model_dir, trace, base, policies, args.out, sc.seed, scenario=sc.name)
-    _print(meta, len(trace), args.out)
-    return 0
+    return run_policies(model_dir, trace, base, policies, args.out, sc.seed, scenario=sc.name)
 
 
 def _print(meta: dict, num_requests: int, out: str) -> None:

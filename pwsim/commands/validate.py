@@ -1,10 +1,13 @@
 """Compare a simulated and a real run of one scenario and print signed % errors.
 
     pwsim validate --real DIR --sim DIR [--out validation.json] [--check]
-    pwsim validate SCENARIO [--policy NAME ...] [--out-dir DIR] [--check] [--calibrate [POLICIES]]
+    pwsim validate SCENARIO [--policy NAME ...] [--out-dir DIR] [--check] [--calibrate [POLICIES]] [--profile]
 
 The second form runs both: the simulator here, and the real engine through the ``pwgpu run``
 command (a separate process: the simulator never imports the engine; they meet through files).
+``--profile`` measures the scenario's latency table first (``pwgpu profile --scenario``): on a
+machine whose speed drifts (a shared VM ran the same table 0.5-0.8x as long minutes apart), a
+table measured just before the real run is the fair one.
 
 ``--calibrate`` fits the one per-deployment term, the step overhead, to the real run: the
 simulator is re-run with the overhead moved by the mean step-time gap until the gap is under
@@ -43,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with SCENARIO: fit the step overhead to the real run of these policies (comma list; default all), "
         "then compare the calibrated simulation",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="with SCENARIO: first measure its latency table here (pwgpu profile --scenario) and time the "
+        "simulation by it, so the table and the real run see the machine in the same state",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedweight.validation import compare, format_validation
 
     calibration = None
+    args.overrides = []
     if args.scenario:
         if args.real or args.sim:
             raise PagedWeightError("give either SCENARIO or --real/--sim, not both")
@@ -59,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not (args.real and args.sim):
             raise PagedWeightError("give SCENARIO, or both --real DIR and --sim DIR")
-        if args.calibrate:
-            raise PagedWeightError("--calibrate re-runs the simulator: give SCENARIO, not --real/--sim")
+        if args.calibrate or args.profile:
+            raise PagedWeightError("--calibrate and --profile run the runtimes: give SCENARIO, not --real/--sim")
         real_dir, sim_dir = Path(args.real), Path(args.sim)
     v = compare(real_dir, sim_dir, bounds={} if args.no_bounds else None)
     if calibration:
@@ -81,13 +91,27 @@ def _run_both(args: argparse.Namespace) -> tuple[Path, Path]:
     from pagedweight.scenario import load_scenario
     from pwsim.run import run_scenario
 
-    loaded = load_scenario(args.scenario)
+    loaded = load_scenario(args.scenario, require_latency_table=not args.profile)
     base = Path(args.out_dir or Path("runs") / f"{loaded.scenario.name}-validate")
     sim_dir, real_dir = base / "sim", base / "real"
     # The engine runs as its own process (``python -m pwgpu.cli``, so a checkout on PYTHONPATH
     # works too): the simulator never imports it.
     if importlib.util.find_spec("pwgpu") is None or importlib.util.find_spec("torch") is None:
         raise PagedWeightError("the real run needs pwgpu and torch (pip install -e '.[gpu]')")
+    if args.profile:
+        if loaded.scenario.latency.kind != "table":
+            raise PagedWeightError(
+                f"--profile measures a latency table; {args.scenario}: latency.kind is "
+                f"{loaded.scenario.latency.kind!r}; allowed: table"
+            )
+        table = (base / "kernels.csv").resolve()
+        cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--scenario", str(args.scenario), "--out", str(table)]
+        if loaded.scenario.latency.model:  # the table's rows are for this model (e.g. a full-depth spec)
+            cmd += ["--model", loaded.scenario.latency.model]
+        if subprocess.run(cmd).returncode != 0:
+            raise PagedWeightError(f"profiling failed: {' '.join(cmd)}")
+        args.overrides = [f"latency.path={table}"]
+        loaded = load_scenario(args.scenario, args.overrides)
     cmd = [sys.executable, "-m", "pwgpu.cli", "run", "--scenario", str(args.scenario), "--out", str(real_dir)]
     if args.policy:
         cmd += ["--policies", ",".join(args.policy)]
@@ -110,7 +134,7 @@ def _calibrate(args: argparse.Namespace, real_dir: Path, sim_dir: Path) -> tuple
     from pagedweight.validation import compare, step_overhead_key, step_time_gap_s
     from pwsim.run import run_scenario
 
-    loaded = load_scenario(args.scenario)
+    loaded = load_scenario(args.scenario, args.overrides)
     ran = list(json.loads((real_dir / "summary.json").read_text())["policies"])
     fit_on = ran if args.calibrate == "all" else [p.strip() for p in args.calibrate.split(",") if p.strip()]
     unknown = [p for p in fit_on if p not in ran]
@@ -130,7 +154,7 @@ def _calibrate(args: argparse.Namespace, real_dir: Path, sim_dir: Path) -> tuple
             break
         overhead = max(0.0, overhead + gap)
         cal_dir = sim_dir.with_name("sim-calibrated")
-        again = load_scenario(args.scenario, [f"{key}={overhead!r}"])
+        again = load_scenario(args.scenario, [*args.overrides, f"{key}={overhead!r}"])
         run_scenario(again, cal_dir, policies=args.policy, progress=False, report=False)
         runs += 1
     before = compare(real_dir, sim_dir, bounds={})
