@@ -25,6 +25,7 @@ from pwgpu.attention import PagedKvCache, build_batch, paged_attention
 from pwgpu.kernels.paging import PagedExperts
 from pwgpu.loader import DTYPES, default_dtype_name
 from pwgpu.model import Rope, rms_norm
+from pwgpu.weights import CPU_DENSE_DTYPE
 
 MiB = 1 << 20
 NOTES = (
@@ -185,7 +186,7 @@ class Profiler:
             if not on_gpu:
                 # The CPU engine dequantises an expert once per precision change and then runs
                 # dense matmuls (pwgpu/weights.py): time that, not a dequantisation per call.
-                dense = [[experts.dequantize_matrix(i, j, self.dtype) for i in range(num)] for j in range(3)]
+                dense = [[experts.dequantize_matrix(i, j, CPU_DENSE_DTYPE) for i in range(num)] for j in range(3)]
             for e in es:
                 # The first e experts as a layer of their own: the kernel sizes blocks by m.
                 sub = PagedExperts(experts.pool, experts.page_offsets, experts.first_page[:e], (prec,) * e, h, f,

@@ -34,6 +34,9 @@ from pwgpu.kernels.paging import PagedExperts
 from pwgpu.model import PinnedWeights
 
 ALIGN_BYTES = 16  # every packed tensor and page offset is 16-byte aligned (vector loads)
+# The CPU path's dense expert copies: fp32, the dtype its matmuls run in, so no step converts
+# weights (a bf16 copy cost 96 conversions per step of the default model).
+CPU_DENSE_DTYPE = torch.float32
 
 
 class WeightStore:
@@ -164,9 +167,9 @@ class WeightStore:
         for e in used:
             idx = moe_layer * e_num + e
             hit = self._dense.get(idx)
-            if hit is None or hit[0] is not pt.pages[idx] or hit[1] != x.dtype:
-                ws = tuple(experts.dequantize_matrix(e, j, x.dtype) for j in range(3))
-                hit = self._dense[idx] = (pt.pages[idx], x.dtype, ws)
+            if hit is None or hit[0] is not pt.pages[idx]:
+                ws = tuple(experts.dequantize_matrix(e, j, CPU_DENSE_DTYPE) for j in range(3))
+                hit = self._dense[idx] = (pt.pages[idx], CPU_DENSE_DTYPE, ws)
             for j in range(3):
                 mats[j][e] = hit[2][j]
         return moe_ffn_dense_ref(x, topk_ids, topk_w, *mats)
