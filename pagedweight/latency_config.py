@@ -6,7 +6,8 @@ tokens are spread over experts. Pure configuration; ``pwsim.latency`` builds the
 - ``analytic``: a roofline from the ``GpuSpec`` (bytes / bandwidth vs flops / peak) with the
   efficiency factors below. The default until a measured table exists.
 - ``table``: the latency table ``pwgpu profile`` writes (``traces/kernels/<gpu>.csv``),
-  interpolated linearly; points outside the measured grid are timed by ``fallback``.
+  fitted non-decreasing along each key and interpolated linearly; points outside the measured
+  grid are timed by ``fallback``.
 - ``constant``: a fixed step time (plus an optional per-token term), for tests and teaching.
 """
 
@@ -71,6 +72,9 @@ class TableLatencyConfig(BaseModel):
     kind: Literal["table"]
     path: str  # traces/kernels/<gpu>.csv, relative to the scenario file
     model: str | None = None  # model name in the table's ``model`` column; None: the scenario's model
+    # Fit each op's grid to be non-decreasing along every key (isotonic regression): more tokens,
+    # experts, context or bytes never take less time, so a dip between neighbours is noise.
+    monotone: bool = True
     # Times what the table does not cover (points outside the grid, missing ops or precisions,
     # the per-step overhead, dense FFN layers). YAML may say just ``fallback: analytic``.
     fallback: AnalyticLatencyConfig = Field(default_factory=AnalyticLatencyConfig)

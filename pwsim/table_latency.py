@@ -2,12 +2,13 @@
 
 At build time each op's long-format rows (per precision for ``moe_ffn`` and ``quantize``)
 become a rectilinear grid; cells the profiler skipped are filled by interpolation along each
-axis. ``moe_ffn``, looked up once per layer and precision class, is then resampled into one
+axis, and (``monotone``, the default) the grid is fitted to be non-decreasing along each key by
+isotonic regression, which pools the dips that timing noise leaves between neighbours. ``moe_ffn``, looked up once per layer and precision class, is then resampled into one
 dense array ``[precision, e, m]`` so that a step's look-ups for every layer are one vectorised
 gather; the other ops are a few scalar look-ups per step. Interpolation is *linear* (bilinear
 in two keys): log-space interpolation biased a published simulator by 9-14% (LLMServingSim 2.0,
 ANCHORS.md). Resampling a bilinear interpolant at points that include the measured ones leaves
-it unchanged, so the dense array reproduces every measurement and every value between them.
+it unchanged, so the dense array reproduces every (fitted) measurement and every value between.
 
 How a step maps onto the table's keys (all ops are per layer, times ``num_layers``):
 - ``moe_ffn(precision, m, e)``: per layer and precision class, ``e`` = active experts of that
@@ -70,6 +71,17 @@ def _fill_along(values: np.ndarray, axis_vals: np.ndarray, axis: int) -> np.ndar
     return np.moveaxis(out, 0, axis)
 
 
+def monotone_grid(values: np.ndarray) -> np.ndarray:
+    """The least-squares fit to ``values`` [x, y] that is non-decreasing along both axes: 1-D
+    isotonic regression along x for every column, then along y for every row. Isotonic
+    regression preserves elementwise order between its inputs, so the second pass keeps the
+    first pass's monotonicity (rows that were ordered stay ordered)."""
+    from scipy.optimize import isotonic_regression
+
+    out = np.array([isotonic_regression(col).x for col in values.T]).T
+    return np.array([isotonic_regression(row).x for row in out])
+
+
 class Grid:
     """One op's (and precision's) measured latencies in seconds on a rectilinear grid; scalar
     bilinear look-ups in plain Python (a few per step: ~1 us each, where a numpy call on a
@@ -80,7 +92,7 @@ class Grid:
         self.values = values.tolist()  # [i][j] at (xs[i], ys[j])
 
     @classmethod
-    def from_rows(cls, rows: pd.DataFrame, xcol: str, ycol: str | None, where: str) -> Grid:
+    def from_rows(cls, rows: pd.DataFrame, xcol: str, ycol: str | None, where: str, monotone: bool = False) -> Grid:
         x = rows[xcol].to_numpy(np.float64)
         y = rows[ycol].to_numpy(np.float64) if ycol else np.zeros(len(rows))
         own = pd.DataFrame({"x": x, "y": y, "v": rows["latency_us_p50"].to_numpy(np.float64) * 1e-6})
@@ -94,7 +106,7 @@ class Grid:
                 + (f", {ycol}={ys[j]:g}" if ycol else "")
                 + " to interpolate from; the profiler writes full grids"
             )
-        return cls(xs, ys, values)
+        return cls(xs, ys, monotone_grid(values) if monotone else values)
 
     @staticmethod
     def _cell(axis: list[float], q: float) -> tuple[int, float]:
@@ -173,11 +185,11 @@ class TableLatencyModel:
             if rows.empty:
                 continue
             if op not in PER_PRECISION_OPS:  # one grid whatever the precision column says
-                self.grids[op] = Grid.from_rows(rows, xcol, ycol, f"{self.path}: op {op}")
+                self.grids[op] = Grid.from_rows(rows, xcol, ycol, f"{self.path}: op {op}", cfg.monotone)
                 continue
             for prec, part in rows.groupby("precision"):
                 if prec in PRECISION_ID:
-                    grid = Grid.from_rows(part, xcol, ycol, f"{self.path}: op {op}, precision {prec}")
+                    grid = Grid.from_rows(part, xcol, ycol, f"{self.path}: op {op}, precision {prec}", cfg.monotone)
                     self.grids[(op, PRECISION_ID[prec])] = grid
         moe = {key[1]: g for key, g in self.grids.items() if isinstance(key, tuple) and key[0] == "moe_ffn"}
         self.moe_grid = MoeGrid(moe, model.num_experts) if moe else None
@@ -281,6 +293,7 @@ class TableLatencyModel:
 
     def describe(self) -> str:
         return (
-            f"table {self.cfg.path} ({self.meta.get('device')}, {self.meta.get('date')}); "
+            f"table {self.cfg.path} ({self.meta.get('device')}, {self.meta.get('date')}"
+            f"{', fitted non-decreasing' if self.cfg.monotone else ''}); "
             f"outside the grid: {self.cfg.fallback.describe()}"
         )

@@ -306,7 +306,9 @@ def test_out_of_grid_warns_once_and_counts(tmp_path):
 
 def test_table_describe_and_errors(tmp_path):
     lm = _table_model(tmp_path)
-    assert lm.describe().startswith("table kernels/h200.csv (NVIDIA H200, 2026-11-29); outside the grid: analytic")
+    assert lm.describe().startswith(
+        "table kernels/h200.csv (NVIDIA H200, 2026-11-29, fitted non-decreasing); outside the grid: analytic"
+    )
     path = _table(tmp_path)
     with pytest.raises(SpecError, match="no rows for model 'qwen3-30b-a3b'; the table has: mixtral-8x7b"):
         build_latency_model(TableLatencyConfig(kind="table", path=path), load_model("qwen3-30b-a3b"), H200, tmp_path)
@@ -380,3 +382,33 @@ def test_table_fills_skipped_cells_and_reports_missing_ops(tmp_path):
     with pytest.warns(UserWarning, match=r"lm_head \(not in table\)"):
         lm.step_time_s(_decode([1000]), tpe, ids)
     assert lm.out_of_grid == {"lm_head (not in table)": 1}
+
+
+def test_monotone_fit_removes_dips_and_keeps_ordered_grids():
+    from pwsim.table_latency import monotone_grid
+
+    ordered = np.array([[1.0, 2.0, 4.0], [2.0, 3.0, 5.0]])
+    np.testing.assert_array_equal(monotone_grid(ordered), ordered)  # nothing to fit
+    noisy = np.array([[1.0, 3.0, 2.0], [0.5, 4.0, 6.0], [2.0, 5.0, 7.0]])
+    fit = monotone_grid(noisy)
+    assert (np.diff(fit, axis=0) >= -1e-12).all() and (np.diff(fit, axis=1) >= -1e-12).all()
+    # A dip is pooled with its neighbour: 3, 2 -> 2.5, 2.5 (least squares), not clipped up.
+    assert fit[0, 1] == pytest.approx(fit[0, 2]) and fit[0, 1] < 3.0
+
+
+def test_table_monotone_switch(tmp_path):
+    """A table whose moe_ffn dips at one point: fitted by default, raw with monotone: false."""
+    from pagedweight.kernel_table import read_kernel_table
+
+    df, meta = read_kernel_table(tmp_path / _table(tmp_path))
+    row = (df["op"] == "moe_ffn") & (df["precision"] == "bf16") & (df["e"] == 8) & (df["m"] == M_GRID[1])
+    assert row.sum() == 1
+    df.loc[row, ["latency_us_p20", "latency_us_p50", "latency_us_p80"]] = 1.0  # far below its neighbours
+    write_kernel_table(df, tmp_path / "kernels" / "dip.csv", meta)
+    tpe, ids = _layer0({e: (M_GRID[1], BF16) for e in range(8)})
+    times = {}
+    for monotone in (True, False):
+        cfg = TableLatencyConfig(kind="table", path="kernels/dip.csv", monotone=monotone)
+        times[monotone] = build_latency_model(cfg, MIXTRAL, H200, base_dir=tmp_path).moe_s(tpe, ids)
+    assert times[False] == pytest.approx(1e-6)
+    assert times[True] > 10 * times[False]
