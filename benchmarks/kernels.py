@@ -24,7 +24,6 @@ import csv
 import functools
 import os
 import sys
-import time
 
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048)
 PRECISIONS = ("fp16", "bf16", "fp8", "int8", "int4", "int3", "int2")
@@ -64,30 +63,14 @@ def main(argv=None) -> int:
     from pagedweight.spec import load_model
     from pwgpu.kernels.moe_gemm import fused_moe
     from pwgpu.kernels.paging import PagedExperts
+    from pwgpu.profile import time_us
 
     device = torch.device("cpu" if args.smoke else "cuda")
     gpu = "cpu-interpreter" if args.smoke else torch.cuda.get_device_name(device)
-    flush = torch.empty(FLUSH_BYTES // 4 if not args.smoke else 1, dtype=torch.int32, device=device)
 
     def bench(fn, reps: int) -> tuple[float, float, float]:
         """(p50, p20, p80) microseconds; L2 flushed before each repetition, outside the timing."""
-        fn()
-        times = []
-        for _ in range(reps):
-            flush.zero_()
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e6)
-        q = torch.tensor(times, dtype=torch.float64).quantile(torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64))
-        return tuple(q.tolist())
+        return time_us(fn, device, reps, warmup=1, flush_bytes=4 if args.smoke else FLUSH_BYTES)
 
     if args.tune:
         return tune(args, torch, bench, device, gpu)

@@ -3,8 +3,9 @@
 At build time each op's long-format rows (per precision for ``moe_ffn`` and ``quantize``)
 become a rectilinear grid; cells the profiler skipped are filled by interpolation along each
 axis, and (``monotone``, the default) the grid is fitted to be non-decreasing along each key by
-isotonic regression, which pools the dips that timing noise leaves between neighbours. ``moe_ffn``, looked up once per layer and precision class, is then resampled into one
-dense array ``[precision, e, m]`` so that a step's look-ups for every layer are one vectorised
+isotonic regression, which pools the dips that timing noise leaves between neighbours.
+``moe_ffn``, looked up once per layer and precision class, is then resampled into one dense
+array ``[precision, e, m]`` so that a step's look-ups for every layer are one vectorised
 gather; the other ops are a few scalar look-ups per step. Interpolation is *linear* (bilinear
 in two keys): log-space interpolation biased a published simulator by 9-14% (LLMServingSim 2.0,
 ANCHORS.md). Resampling a bilinear interpolant at points that include the measured ones leaves

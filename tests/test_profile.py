@@ -114,3 +114,24 @@ def test_a_table_fitted_to_a_scenario_times_all_of_it(tmp_path):
     summary = run_scenario(load_scenario(scenario), tmp_path / "run", report=False)
     assert summary["policies"]["pagedweight"]["completed"] == 8
     assert not summary.get("out_of_grid"), summary.get("out_of_grid")
+
+
+def test_time_us_flushes_caches_before_every_sample():
+    """Each sample starts after the flush buffer was rewritten (cold caches, as inside a step)."""
+    import torch
+
+    from pwgpu import profile as prof
+
+    dev = torch.device("cpu")
+    seen = []
+
+    def fn():
+        buf = prof._flush_buffers[dev]
+        seen.append((buf.numel(), int(buf[-1])))
+        buf.zero_()  # the next sample must find it rewritten
+
+    p50, p20, p80 = prof.time_us(fn, dev, samples=3, warmup=0, flush_bytes=1 << 16)
+    assert seen == [(1 << 16, 1)] * 3 and p20 <= p50 <= p80
+    calls = []
+    prof.time_us(lambda: calls.append(1), dev, samples=2, warmup=1, flush_bytes=0)  # 0: no flush
+    assert len(calls) == 3
