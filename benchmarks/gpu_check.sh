@@ -9,7 +9,7 @@
 #
 # The GPU machine has no network and lacks some of our dependencies. Beforehand, on the
 # development machine, from the repository root (see ../shared/tools/gpu-wheels.sh):
-#     ../shared/tools/gpu-wheels.sh pandas pytest
+#     ../shared/tools/gpu-wheels.sh      (simpy, pydantic, highspy, fastapi, uvicorn: the image has the rest)
 # then run this script with `.whl` carried along; it installs the wheels into /tmp/site.
 #
 # Each stage has a time budget (seconds) and is stopped at it, so a slow stage cannot starve
@@ -33,7 +33,7 @@ unset TRITON_INTERPRET
   date -u +%Y-%m-%dT%H:%M:%SZ
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, torch.version.cuda)"
-  for mod in numpy pandas pydantic yaml pytest; do
+  for mod in numpy pandas scipy pydantic simpy highspy yaml pytest; do
     python3 -c "import $mod" 2> /dev/null || echo "MISSING python module: $mod (add it to gpu-wheels.sh)"
   done
 } > "$OUT/env.txt" 2>&1
