@@ -118,6 +118,7 @@ def compare(real_dir: str | Path, sim_dir: str | Path, bounds: dict[str, float] 
                 real_step_s, sim_step_s = float(rs["duration_s"].mean()), float(ss["duration_s"].mean())
                 entry["mean_step_s"] = {"real": real_step_s, "sim": sim_step_s}
                 entry["suggested_extra_step_overhead_s"] = real_step_s - sim_step_s
+                entry["step_time_by_shape"] = step_time_by_shape(rs, ss)
         if real_tr is not None and sim_tr is not None:
             rt = real_tr[(real_tr["policy"] == policy) & (real_tr["kind"] != "abort")]
             st = sim_tr[(sim_tr["policy"] == policy) & (sim_tr["kind"] != "abort")]
@@ -133,6 +134,45 @@ def compare(real_dir: str | Path, sim_dir: str | Path, bounds: dict[str, float] 
     checked = [row["ok"] for e in out["policies"].values() for row in e["metrics"].values() if row["ok"] is not None]
     out["all_within_bounds"] = all(checked)  # vacuously true when no bound is checked
     return out
+
+
+def _shape_bucket(steps: pd.DataFrame) -> pd.Series:
+    """A step's shape class: decode-only steps by batch size, others by prefill tokens, each in
+    power-of-two ranges ("decode 9-16", "prefill 257-512")."""
+    decode = steps["num_prefill_tokens"] == 0
+    n = np.where(decode, steps["num_decodes"], steps["num_prefill_tokens"]).astype(np.int64)
+    hi = 1 << np.ceil(np.log2(np.maximum(n, 1))).astype(np.int64)
+    lo = np.where(hi > 1, hi // 2 + 1, 1)
+    names = [f"{'decode' if d else 'prefill'} {a}-{b}" if a < b else f"{'decode' if d else 'prefill'} {b}"
+             for d, a, b in zip(decode, lo, hi, strict=True)]  # fmt: skip
+    return pd.Series(names, index=steps.index)
+
+
+def step_time_by_shape(real_steps: pd.DataFrame, sim_steps: pd.DataFrame) -> list[dict]:
+    """Median step time per shape class in both runs: where the latency model is off, by how
+    much and at which batch sizes, independent of how the two schedules drifted apart. Steps
+    that changed an expert's precision are left out (their cost is the transition's)."""
+    rows = []
+    parts = {}
+    for side, steps in (("real", real_steps), ("sim", sim_steps)):
+        quiet = steps[(steps["num_downgrades"] == 0) & (steps["num_upgrades"] == 0)]
+        parts[side] = quiet.groupby(_shape_bucket(quiet))["duration_s"].agg(["median", "size"])
+    for bucket in sorted(set(parts["real"].index) & set(parts["sim"].index), key=_bucket_order):
+        r, s = parts["real"].loc[bucket], parts["sim"].loc[bucket]
+        rows.append({
+            "shape": bucket,
+            "real_median_ms": float(r["median"]) * 1e3,
+            "sim_median_ms": float(s["median"]) * 1e3,
+            "error_perc": signed_error_perc(float(s["median"]), float(r["median"])),
+            "real_steps": int(r["size"]),
+            "sim_steps": int(s["size"]),
+        })  # fmt: skip
+    return rows
+
+
+def _bucket_order(name: str) -> tuple[int, int]:
+    kind, rng = name.split(" ")
+    return (kind != "decode", int(rng.split("-")[0]))
 
 
 def step_overhead_key(latency_kind: str) -> str:
@@ -181,6 +221,13 @@ def format_validation(v: dict) -> str:
         if cal and policy in cal.get("uncalibrated_errors_perc", {}):
             before = cal["uncalibrated_errors_perc"][policy]
             lines.append("    before calibration: " + ", ".join(f"{k} {x:+.1f}%" for k, x in before.items()))
+        if e.get("step_time_by_shape"):
+            lines.append("    median step time by shape (steps without precision changes):")
+            for row in e["step_time_by_shape"]:
+                lines.append(
+                    f"      {row['shape']:20s} real {row['real_median_ms']:8.2f} ms ({row['real_steps']:4d})  "
+                    f"sim {row['sim_median_ms']:8.2f} ms ({row['sim_steps']:4d})  {row['error_perc']:+7.1f}%"
+                )
         if "suggested_extra_step_overhead_s" in e:
             st = e["mean_step_s"]
             lines.append(

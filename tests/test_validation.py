@@ -37,6 +37,30 @@ def test_identical_runs_have_zero_error(two_runs):
         assert all(row["error_perc"] == 0 for row in e["metrics"].values())
         assert e["suggested_extra_step_overhead_s"] == 0
         assert all(err == 0 for err in e["weight_bytes_mean_abs_error_perc"].values())
+        assert e["step_time_by_shape"] and all(row["error_perc"] == 0 for row in e["step_time_by_shape"])
+
+
+def test_step_time_by_shape_buckets_and_errors():
+    import pandas as pd
+
+    from pagedweight.validation import step_time_by_shape
+
+    def steps(rows):
+        return pd.DataFrame(
+            [dict(num_prefill_tokens=p, num_decodes=d, duration_s=t, num_downgrades=x, num_upgrades=0)
+             for p, d, t, x in rows]
+        )  # fmt: skip
+
+    # The last step changed an expert's precision: it is left out.
+    real = steps(
+        [(0, 1, 0.010, 0), (0, 3, 0.020, 0), (0, 4, 0.030, 0), (0, 16, 0.050, 0), (300, 2, 0.100, 0), (0, 16, 9.0, 1)]
+    )
+    sim = steps([(0, 1, 0.011, 0), (0, 4, 0.025, 0), (0, 12, 0.040, 0), (500, 0, 0.090, 0)])
+    rows = {r["shape"]: r for r in step_time_by_shape(real, sim)}
+    assert list(rows) == ["decode 1", "decode 3-4", "decode 9-16", "prefill 257-512"]
+    assert rows["decode 3-4"]["real_median_ms"] == pytest.approx(25.0) and rows["decode 3-4"]["real_steps"] == 2
+    assert rows["decode 9-16"]["error_perc"] == pytest.approx(-20.0)
+    assert rows["prefill 257-512"]["error_perc"] == pytest.approx(-10.0)
 
 
 def test_a_wrong_simulation_is_caught(two_runs, tmp_path):
