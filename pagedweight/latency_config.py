@@ -75,6 +75,10 @@ class TableLatencyConfig(BaseModel):
     # Fit each op's grid to be non-decreasing along every key (isotonic regression): more tokens,
     # experts, context or bytes never take less time, so a dip between neighbours is noise.
     monotone: bool = True
+    # Multiplies every time the table gives (not the step overhead): the second per-deployment
+    # term `pwsim validate --calibrate` fits, for a machine running slower or faster than when
+    # it was profiled (a shared CPU drifts by 2x).
+    scale: float = Field(default=1.0, gt=0)
     # Times what the table does not cover (points outside the grid, missing ops or precisions,
     # the per-step overhead, dense FFN layers). YAML may say just ``fallback: analytic``.
     fallback: AnalyticLatencyConfig = Field(default_factory=AnalyticLatencyConfig)

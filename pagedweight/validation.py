@@ -205,8 +205,9 @@ def format_validation(v: dict) -> str:
     if cal:
         lines.append(
             f"  calibrated: step overhead {cal['step_overhead_s'] * 1e3:.2f} ms (was "
-            f"{cal['initial_step_overhead_s'] * 1e3:.2f} ms), fitted on {', '.join(cal['fitted_on'])} "
-            f"in {cal['iterations']} simulations; other policies are out of sample"
+            f"{cal['initial_step_overhead_s'] * 1e3:.2f} ms), table times x{cal.get('scale', 1.0):.3f}, fitted on "
+            f"{', '.join(cal['fitted_on'])} in {cal['iterations']} simulations; other policies are out of sample"
+            + ("" if cal.get("converged", True) else "; NOT converged (the real steps are faster than the simulated)")
         )
     for policy, e in v["policies"].items():
         tag = ""

@@ -30,6 +30,7 @@ from pwgpu.weights import CPU_DENSE_DTYPE
 MiB = 1 << 20
 NOTES = (
     "activations and KV in meta 'dtype': the engine's default on the device, or bf16 for a scenario run",
+    "every timed sample starts with the caches flushed (meta 'flush_bytes' written just before)",
     "moe_ffn: e experts of one precision, each routed exactly m tokens (top-1 routing: the top-k sum, "
     "one elementwise pass, is not timed)",
     "attn_prefill: the engine's paged attention for one chunk of m new tokens whose context after the "
@@ -423,6 +424,7 @@ def _meta(device: torch.device, grid: Grid, models: list[ModelSpec], dtype: str)
         "models": [m.name for m in models],
         "grid": grid.name,
         "dtype": dtype,
+        "flush_bytes": FLUSH_BYTES.get(device.type, 64 << 20),
         "path": "triton kernels" if on_gpu else "pytorch reference (CPU engine path)",
         "threads": torch.get_num_threads(),
         "notes": list(NOTES),

@@ -274,27 +274,32 @@ class TableLatencyModel:
         num_seqs = num_chunks + num_decodes
         head_s = self._one("lm_head", "lm_head", num_seqs, 0.0, lambda: fb.lm_head_s(num_seqs))
         dense_layers_s = md.num_dense_layers * float(fb.dense_layer_s(num_tokens)) if md.num_dense_layers else 0.0
-        return (
+        kernels_s = (
             md.num_layers * attn_s
             + md.num_moe_layers * dense_s
             + dense_layers_s
             + head_s
             + self.moe_s(tokens_per_expert, precision_ids)
-            + self.cfg.fallback.step_overhead_s
         )
+        return self.cfg.scale * kernels_s + self.cfg.fallback.step_overhead_s
 
     def quantize_time_s(self, n: int, k: int, precision_id: int) -> float:
         key = ("quantize", int(precision_id))
-        return self._one("quantize", key, n, k, lambda: self.fallback.quantize_time_s(n, k, precision_id))
+        return self.cfg.scale * self._one(
+            "quantize", key, n, k, lambda: self.fallback.quantize_time_s(n, k, precision_id)
+        )
 
     def h2d_time_s(self, num_bytes: int) -> float:
         if num_bytes <= 0:
             return 0.0
-        return self._one("h2d_copy", "h2d_copy", num_bytes, 0.0, lambda: self.fallback.h2d_time_s(num_bytes))
+        return self.cfg.scale * self._one(
+            "h2d_copy", "h2d_copy", num_bytes, 0.0, lambda: self.fallback.h2d_time_s(num_bytes)
+        )
 
     def describe(self) -> str:
         return (
             f"table {self.cfg.path} ({self.meta.get('device')}, {self.meta.get('date')}"
-            f"{', fitted non-decreasing' if self.cfg.monotone else ''}); "
+            f"{', fitted non-decreasing' if self.cfg.monotone else ''}"
+            f"{f', times x{self.cfg.scale:.4g}' if self.cfg.scale != 1.0 else ''}); "
             f"outside the grid: {self.cfg.fallback.describe()}"
         )

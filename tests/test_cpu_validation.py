@@ -34,8 +34,9 @@ def test_cpu_validation_scenario(tmp_path):
     # uncalibrated errors beside the calibrated ones.
     cal = v["calibration"]
     assert cal["fitted_on"] == ["static-fp16"] and cal["key"] == "latency.fallback.step_overhead_s"
-    real_step_s = v["policies"]["static-fp16"]["mean_step_s"]["real"]
-    assert abs(cal["remaining_gap_s"]) < 0.05 * real_step_s, cal
+    # Converged, unless even no overhead left the simulated steps slower than the real ones.
+    assert cal["converged"] or (cal["step_overhead_s"] == 0 and cal["remaining_gap_s"] < 0), cal
+    assert cal["scale"] > 0
     assert set(cal["uncalibrated_errors_perc"]) == {"static-fp16", "pagedweight"}
     assert "pagedweight  (out of sample)" in run.stdout
     page = (out / "sim-calibrated" / "validation_report.html").read_text()

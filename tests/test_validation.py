@@ -84,3 +84,37 @@ def test_different_scenarios_are_refused(two_runs, tmp_path):
     (other / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(PagedWeightError, match="same scenario"):
         compare(real, other)
+
+
+def _sim(scenario: Path, out: Path, sets: list[str]) -> Path:
+    run_scenario(load_scenario(scenario, sets), out, report=False)
+    return out
+
+
+def _calibrate_against(scenario: Path, real: Path, base: Path, sets: list[str]) -> dict:
+    """pwsim validate's calibration, with a simulated run standing in for the real one."""
+    import argparse
+
+    from pwsim.commands.validate import _calibrate
+
+    args = argparse.Namespace(scenario=str(scenario), overrides=sets, calibrate="all", policy=None)
+    cal, cal_dir = _calibrate(args, real, _sim(scenario, base / "sim", sets))
+    assert cal_dir == base / "sim-calibrated"
+    return cal
+
+
+def test_calibration_recovers_a_known_overhead(tmp_path):
+    real = _sim(GOOD, tmp_path / "real", ["latency.step_overhead_s=0.004"])
+    cal = _calibrate_against(GOOD, real, tmp_path, [])
+    assert cal["converged"] and cal["key"] == "latency.step_overhead_s" and cal["scale"] == 1.0
+    assert cal["step_overhead_s"] == pytest.approx(0.004, rel=0.05)
+
+
+def test_calibration_scales_a_table_that_is_too_slow(tmp_path):
+    """A machine running twice as fast as when it was profiled: no overhead can absorb that,
+    so the table's times are scaled down."""
+    scenario = Path(__file__).parent.parent / "scenarios" / "cpu_validate.yaml"
+    real = _sim(scenario, tmp_path / "real", ["latency.scale=0.5", "latency.fallback.step_overhead_s=0.001"])
+    cal = _calibrate_against(scenario, real, tmp_path, [])
+    assert cal["converged"], cal
+    assert cal["step_overhead_s"] < 0.002 and 0.4 < cal["scale"] < 0.65
