@@ -241,8 +241,52 @@ def run_section(run: RunResults, prefix: str, out_dir: Path, anchor: str) -> str
     return "".join(parts)
 
 
-def write_report(result_dirs: list[Path], out_html: Path) -> Path:
-    """The report of one or more results directories, with its PNGs beside ``out_html``."""
+def validation_section(v: dict) -> str:
+    """What ``pwsim validate`` adds under its simulated-vs-real table: the calibration it did
+    and the median step time by step shape, where the latency model is off."""
+    parts = []
+    cal = v.get("calibration")
+    if cal:
+        fitted, scale = ", ".join(cal["fitted_on"]), cal.get("scale", 1.0)
+        parts.append(
+            f"<p>Calibrated on <b>{html.escape(fitted)}</b> (in sample; the other policies are out of sample): "
+            f"step overhead {cal['step_overhead_s'] * 1e3:.2f} ms (was {cal['initial_step_overhead_s'] * 1e3:.2f} ms)"
+            + (f", table times x{scale:.3f}" if scale != 1.0 else "")
+            + ("" if cal.get("converged", True) else " &mdash; <b>not converged</b>")
+            + ". Before calibration: "
+            + "; ".join(
+                f"{html.escape(p)} "
+                + ", ".join(f"{html.escape(_METRIC[m][0] if m in _METRIC else m)} {e:+.1f}%" for m, e in errs.items())
+                for p, errs in cal["uncalibrated_errors_perc"].items()
+            )
+            + ".</p>"
+        )
+    rows = []
+    for policy, e in v.get("policies", {}).items():
+        for r in e.get("step_time_by_shape", []):
+            size = abs(r["error_perc"])
+            cls = "better" if size <= 10 else "worse" if size > 25 else ""
+            rows.append(
+                f"<tr><th>{html.escape(policy)}</th><th>{html.escape(r['shape'])}</th>"
+                f"<td>{r['real_median_ms']:.2f} ({r['real_steps']})</td>"
+                f"<td>{r['sim_median_ms']:.2f} ({r['sim_steps']})</td>"
+                f'<td class="{cls}">{r["error_perc"]:+.1f}%</td></tr>'
+            )
+    if rows:
+        parts.append(
+            "<h3>Median step time by step shape</h3><p>Steps without precision changes, grouped by decode batch "
+            "or prefill tokens: where the latency model is off, independent of how the two schedules drifted "
+            "apart.</p><table><tr><th>policy</th><th>step shape</th><th>real ms (steps)</th>"
+            f"<th>simulated ms (steps)</th><th>signed error</th></tr>{''.join(rows)}</table>"
+        )
+    if v.get("out_of_grid"):
+        parts.append(f"<p>Latency-table points outside the measured grid: {html.escape(str(v['out_of_grid']))}.</p>")
+    return "".join(parts)
+
+
+def write_report(result_dirs: list[Path], out_html: Path, validation: dict | None = None) -> Path:
+    """The report of one or more results directories, with its PNGs beside ``out_html``.
+    ``validation``: ``pwsim validate``'s result, shown under the pair of runs it compared."""
     out_html = Path(out_html)
     out_dir = out_html.parent
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -255,11 +299,29 @@ def write_report(result_dirs: list[Path], out_html: Path) -> Path:
             f'<a href="#{anchor}">{html.escape(run.summary.get("scenario", run.name))} ({html.escape(run.name)})</a>'
         )
         sections.append(run_section(run, prefix, out_dir, anchor))
-    for j, (sim, real) in enumerate(sim_real_pairs(runs)):
+    pairs = sim_real_pairs(runs)
+    if validation:  # the pair it compared, whatever produced the two runs
+        by_path = {r.path.resolve(): r for r in runs}
+        pair = (
+            by_path.get(Path(validation["sim"]["dir"]).resolve()),
+            by_path.get(Path(validation["real"]["dir"]).resolve()),
+        )
+        if (
+            pair[0] is not None
+            and pair[1] is not None
+            and all((a.path, b.path) != (pair[0].path, pair[1].path) for a, b in pairs)
+        ):
+            pairs.append(pair)
+    for j, (sim, real) in enumerate(pairs):
         anchor = f"simreal{j}"
         nav.append(f'<a href="#{anchor}">simulated vs real: {html.escape(sim.summary.get("scenario", ""))}</a>')
         body = f'<h2 id="{anchor}">Simulated vs real: {html.escape(sim.summary.get("scenario", ""))}</h2>'
         body += sim_real_table(sim, real)
+        if validation and (Path(validation["sim"]["dir"]).resolve(), Path(validation["real"]["dir"]).resolve()) == (
+            sim.path.resolve(),
+            real.path.resolve(),
+        ):
+            body += validation_section(validation)
         png = plots.sim_real_figure(sim, real, out_dir / f"simreal{j}_{sim.name}_{real.name}.png")
         if png is not None:
             body += png_tag(png, "TTFT and TPOT distributions, simulated (dashed) and real (solid).")

@@ -73,6 +73,10 @@ def test_a_wrong_simulation_is_caught(two_runs, tmp_path):
     assert json.loads(out.read_text())["scenario"] == "good"
     assert main(["validate", "--real", str(real), "--sim", str(sim), "--out", str(out), "--no-bounds", "--check"]) == 0
     assert main(["validate", "--real", str(real), "--sim", str(real), "--out", str(out), "--check"]) == 0
+    deeper = tmp_path / "new" / "dir" / "v.json"  # --out into a directory that does not exist yet
+    assert main(["validate", "--real", str(real), "--sim", str(sim), "--out", str(deeper), "--no-bounds"]) == 0
+    page = (deeper.parent / "validation_report.html").read_text()
+    assert "Median step time by step shape" in page and "Simulated vs real" in page
 
 
 def test_different_scenarios_are_refused(two_runs, tmp_path):

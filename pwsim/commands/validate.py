@@ -77,10 +77,11 @@ def run(args: argparse.Namespace) -> int:
     if calibration:
         v["calibration"] = calibration
     out = Path(args.out) if args.out else sim_dir / "validation.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(v, indent=2, default=float) + "\n")
     from pagedweight.report import write_report
 
-    page = write_report([sim_dir, real_dir], out.with_name("validation_report.html"))
+    page = write_report([sim_dir, real_dir], out.with_name("validation_report.html"), validation=v)
     if calibration:
         sets = f"--set {calibration['key']}={calibration['step_overhead_s']:.6g}"
         if calibration["scale"] != calibration["initial_scale"]:
