@@ -122,3 +122,12 @@ def test_calibration_scales_a_table_that_is_too_slow(tmp_path):
     cal = _calibrate_against(scenario, real, tmp_path, [])
     assert cal["converged"], cal
     assert cal["step_overhead_s"] < 0.002 and 0.4 < cal["scale"] < 0.65
+
+
+def test_unknown_calibration_policy_is_refused_before_any_run(tmp_path, capsys):
+    scenario = Path(__file__).parent.parent / "scenarios" / "cpu_validate.yaml"
+    out = tmp_path / "v"
+    assert main(["validate", str(scenario), "--calibrate", "static-fp8", "--out-dir", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "static-fp8" in err and "allowed: static-fp16, pagedweight" in err
+    assert not out.exists()  # nothing ran

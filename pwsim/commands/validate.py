@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if args.scenario:
         if args.real or args.sim:
             raise PagedWeightError("give either SCENARIO or --real/--sim, not both")
+        if args.calibrate:
+            _check_calibrate_policies(args)  # before minutes of real run, not after
         real_dir, sim_dir = _run_both(args)
         if args.calibrate:
             calibration, sim_dir = _calibrate(args, real_dir, sim_dir)
@@ -90,6 +92,21 @@ def run(args: argparse.Namespace) -> int:
     print(format_validation(v))
     print(f"written: {out}, {page}")
     return EXIT_FAILED if args.check and not v["all_within_bounds"] else 0
+
+
+def _calibrate_policies(args: argparse.Namespace, ran: list[str]) -> list[str]:
+    fit_on = ran if args.calibrate == "all" else [p.strip() for p in args.calibrate.split(",") if p.strip()]
+    unknown = [p for p in fit_on if p not in ran]
+    if unknown:
+        raise PagedWeightError(f"--calibrate {args.calibrate}: {', '.join(unknown)} not run; allowed: {', '.join(ran)}")
+    return fit_on
+
+
+def _check_calibrate_policies(args: argparse.Namespace) -> None:
+    from pagedweight.scenario import load_scenario
+
+    sc = load_scenario(args.scenario, require_latency_table=False).scenario
+    _calibrate_policies(args, args.policy or list(sc.policies))
 
 
 def _run_both(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -141,13 +158,7 @@ def _calibrate(args: argparse.Namespace, real_dir: Path, sim_dir: Path) -> tuple
     from pwsim.run import run_scenario
 
     loaded = load_scenario(args.scenario, args.overrides)
-    ran = list(json.loads((real_dir / "summary.json").read_text())["policies"])
-    fit_on = ran if args.calibrate == "all" else [p.strip() for p in args.calibrate.split(",") if p.strip()]
-    unknown = [p for p in fit_on if p not in ran]
-    if unknown:
-        raise PagedWeightError(
-            f"--calibrate {args.calibrate}: {', '.join(unknown)} not in the real run; allowed: {', '.join(ran)}"
-        )
+    fit_on = _calibrate_policies(args, list(json.loads((real_dir / "summary.json").read_text())["policies"]))
     key = step_overhead_key(loaded.scenario.latency.kind)
     lat = loaded.scenario.latency
     is_table = lat.kind == "table"
