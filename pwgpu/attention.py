@@ -32,10 +32,14 @@ class AttentionBatch:
     block_tables: torch.Tensor  # [B, M] int64 KV block ids (padded with 0)
     slot_blocks: torch.Tensor  # [T] int64: block id of each new token
     slot_offsets: torch.Tensor  # [T] int64: position inside that block
+    context_lens_host: list[int]  # the same on the host: prefill chunks slice by it per layer
     all_decode: bool  # every request adds exactly one token
     # Requests adding exactly one token: one batched decode call takes them all, so a mixed
     # step costs one decode call plus one call per prefill chunk (what the simulator times).
-    decode_seqs: list[int] | None = None
+    # Built once per step, used by every layer.
+    decode_seqs: list[int]
+    decode_idx: torch.Tensor  # [B_dec] int64 on the device: decode_seqs
+    decode_rows: torch.Tensor  # [B_dec] int64 on the device: their rows in the flat batch
 
 
 class PagedKvCache:
@@ -132,15 +136,12 @@ def paged_attention(q: torch.Tensor, kv: PagedKvCache, layer: int, batch: Attent
         return paged_decode(q, kv, layer, batch.block_tables, batch.context_lens, scale)
     out = torch.empty_like(q)
     starts = batch.query_starts
-    dec = batch.decode_seqs or []
-    if dec:
-        sel = torch.tensor(dec, device=q.device)
-        rows = torch.tensor([starts[i] for i in dec], device=q.device)
+    if batch.decode_seqs:
+        sel, rows = batch.decode_idx, batch.decode_rows
         out[rows] = paged_decode(q[rows], kv, layer, batch.block_tables[sel], batch.context_lens[sel], scale)
-    ctx_lens = batch.context_lens.tolist()
     for i in range(len(starts) - 1):
-        s, e, ctx = starts[i], starts[i + 1], ctx_lens[i]
-        if e - s == 1 and dec:
+        s, e, ctx = starts[i], starts[i + 1], batch.context_lens_host[i]
+        if e - s == 1:
             continue  # done in the batched decode call above
         n_blocks = -(-ctx // kv.block_tokens)
         k, v = kv.gather(layer, batch.block_tables[i : i + 1, :n_blocks])
@@ -172,13 +173,17 @@ def build_batch(
     pos = torch.tensor(positions, dtype=torch.int64)
     row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([n for _, _, n in seqs]))
     slot_blocks = table[row, pos // block_tokens]
+    decode_seqs = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
     batch = AttentionBatch(
         query_starts=starts,
         context_lens=torch.tensor(ctx, dtype=torch.int64, device=device),
         block_tables=table.to(device),
         slot_blocks=slot_blocks.to(device),
         slot_offsets=(pos % block_tokens).to(device),
-        all_decode=all(n == 1 for _, _, n in seqs),
-        decode_seqs=[i for i, (_, _, n) in enumerate(seqs) if n == 1],
+        context_lens_host=ctx,
+        all_decode=len(decode_seqs) == len(seqs),
+        decode_seqs=decode_seqs,
+        decode_idx=torch.tensor(decode_seqs, dtype=torch.int64, device=device),
+        decode_rows=torch.tensor([starts[i] for i in decode_seqs], dtype=torch.int64, device=device),
     )
     return batch, pos.to(device)
