@@ -11,7 +11,7 @@ on a side stream. Everything else, including the order of operations within a ch
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -93,12 +93,7 @@ class RuntimeCore:
         self.kv.reserve_pages = reserve
         floor_pages = int(pages_by_id[setup.floor_ids].sum())
         max_kv_pages = pool.num_pages - pool.num_owned(OWNER_PINNED) - floor_pages - reserve
-        sched_cfg = SchedulerConfig(
-            cfg.scheduler.max_num_batched_tokens,
-            cfg.scheduler.max_num_seqs,
-            cfg.scheduler.max_model_len,
-            preemption_mode=setup.preemption_mode,
-        )
+        sched_cfg = replace(cfg.scheduler, preemption_mode=setup.preemption_mode)
         self.scheduler = Scheduler(sched_cfg, self.kv, max_kv_pages * self.kv.blocks_per_page)
         self.controller: Controller | None = None
         if setup.controller_mode:
@@ -216,13 +211,9 @@ def core_config(loaded) -> CoreConfig:
         page_bytes=sc.memory.page_bytes,
         kv_block_tokens=sc.memory.kv_block_tokens,
         scheduler=SchedulerConfig(sc.scheduler.max_num_batched_tokens, sc.scheduler.max_num_seqs, loaded.max_model_len),
+        # By name, so that every controller setting of the scenario reaches the controller.
         controller=ControllerSettings(
-            c.horizon_steps,
-            c.low_watermark,
-            c.high_watermark,
-            c.copy_budget_bytes_per_s,
-            c.max_in_flight,
-            c.min_dwell_s,
+            **c.model_dump(exclude={"static_mixed_fraction", "max_in_flight"}), max_in_flight_bytes=c.max_in_flight
         ),
         static_mixed_fraction=c.static_mixed_fraction,
     )

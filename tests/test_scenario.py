@@ -11,6 +11,7 @@ import pytest
 from pagedweight.errors import ScenarioError
 from pagedweight.scenario import load_scenario, parse_bytes
 
+ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures" / "scenarios"
 BAD = sorted((FIXTURES / "bad").glob("*.yaml"))
 
@@ -58,3 +59,18 @@ def test_missing_scenario_file():
 )
 def test_sizes(text, expected):
     assert parse_bytes(text) == expected
+
+
+def test_every_controller_setting_reaches_the_controller():
+    """Scenario controller knobs are handed over by name: none is silently dropped."""
+    from dataclasses import asdict
+
+    from pagedweight.runtime import core_config
+
+    sets = ["controller.horizon_steps=7", "controller.low_watermark=0.03", "controller.high_watermark=0.2",
+            "controller.copy_budget_bytes_per_s=123", "controller.max_in_flight=4096", "controller.min_dwell_s=0.5",
+            "controller.plan_interval_s=0.25", "controller.rescale_interval_s=3"]  # fmt: skip
+    settings = asdict(core_config(load_scenario(ROOT / "scenarios" / "longctx.yaml", sets)).controller)
+    assert settings == {"horizon_steps": 7, "low_watermark": 0.03, "high_watermark": 0.2,
+                        "copy_budget_bytes_per_s": 123, "max_in_flight_bytes": 4096, "min_dwell_s": 0.5,
+                        "plan_interval_s": 0.25, "rescale_interval_s": 3.0}  # fmt: skip
