@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -43,6 +44,13 @@ class Problem:
     table: ImportanceTable
     allowed: np.ndarray  # (N, P) bool: options an expert may take (one column if pinned)
     min_bytes: np.ndarray  # (N,) int64: bytes of the expert's cheapest allowed option
+
+    @cached_property
+    def greedy_order(self) -> tuple[np.ndarray, tuple]:
+        """paper-greedy's order (descending importance, ties by row) and its sweep rows: fixed for
+        the problem, while the controller re-plans it at every budget change."""
+        order = np.argsort(-self.table.importance, kind="stable")
+        return order, _sweep_rows(self, order)
 
     @classmethod
     def build(cls, table: ImportanceTable, pinned: np.ndarray | None = None) -> Problem:
@@ -151,15 +159,20 @@ def make_plan(
 # --------------------------------------------------------------------------------------------
 
 
-def _sweep(problem: Problem, order: np.ndarray, budget_bytes: int, levels: list[int]) -> int:
+def _sweep_rows(problem: Problem, order: np.ndarray) -> tuple[list[int], list, list, list[int]]:
+    """``order`` and the bytes, allowed and cheapest-bytes rows in that order, as lists."""
+    bytes_rows, allowed_rows = problem.table.bytes[order].tolist(), problem.allowed[order].tolist()
+    return order.tolist(), bytes_rows, allowed_rows, problem.min_bytes[order].tolist()
+
+
+def _sweep(problem: Problem, order: np.ndarray, budget_bytes: int, levels: list[int], rows=None) -> int:
     """Experts in ``order`` each take the most precise allowed option that still leaves room for
-    every later expert of ``order`` at its cheapest option. Writes ``levels``; returns bytes used."""
-    bytes_rows = problem.table.bytes[order].tolist()
-    allowed_rows = problem.allowed[order].tolist()
-    min_rows = problem.min_bytes[order].tolist()
+    every later expert of ``order`` at its cheapest option. Writes ``levels``; returns bytes used.
+    ``rows``: ``_sweep_rows(problem, order)`` when the caller has them already."""
+    order_list, bytes_rows, allowed_rows, min_rows = rows or _sweep_rows(problem, order)
     reserve = sum(min_rows)  # cheapest bytes of the experts not yet placed, this one included
     remaining = budget_bytes
-    for i, expert in enumerate(order.tolist()):
+    for i, expert in enumerate(order_list):
         reserve -= min_rows[i]
         room = remaining - reserve
         for level, (b, ok) in enumerate(zip(bytes_rows[i], allowed_rows[i], strict=True)):
@@ -176,9 +189,9 @@ def paper_greedy(problem: Problem, budget_bytes: int) -> Plan:
     """Experts in descending ``I_i`` (ties: lower row first), each given the highest precision
     that still leaves room for every remaining expert at the lowest precision."""
     problem.check_budget(budget_bytes)
-    order = np.argsort(-problem.table.importance, kind="stable")
+    order, rows = problem.greedy_order
     levels = [0] * len(order)
-    _sweep(problem, order, budget_bytes, levels)
+    _sweep(problem, order, budget_bytes, levels, rows)
     return make_plan(problem, "paper-greedy", np.array(levels), budget_bytes)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedweight.allocate import Plan, Problem, make_plan, quality
+from pagedweight.allocate import Plan, Problem, make_plan
 
 
 def lower_hulls(bytes_: np.ndarray, dloss: np.ndarray, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -107,7 +107,6 @@ class MarginalPlanner:
         later = chain > 0
         prev[later] = grid_pos[expert[later], chain[later] - 1]
         self.seg_prev = prev[order]
-        self.quality = np.array([quality(name) for name in t.ladder])
 
         self._position = 0  # segments [0, position) are applied to _levels
         self._levels = self.base_levels.copy()

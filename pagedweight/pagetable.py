@@ -59,9 +59,6 @@ class ExpertPageTable:
     def num_experts(self) -> int:
         return len(self.precision_ids)
 
-    def weight_pages(self) -> int:
-        return int(self.pages_by_id[self.precision_ids].sum())
-
     def begin(self, expert: int, to_id: int) -> Transition:
         """Reserve the new pages of a change. Raises ``PoolExhausted`` if the pool is short."""
         if expert in self.in_flight:
