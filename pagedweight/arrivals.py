@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pagedweight.errors import ConfigError
 from pagedweight.workload import ArrivalConfig, GammaArrival, PiecewiseArrival, PoissonArrival, RateSegment
 
 
@@ -34,9 +35,9 @@ def gamma_arrivals(
 
     Shape k = 1/cv^2 and scale 1/(rate_qps k); cv = 1 is exactly the Poisson process."""
     if rate_qps <= 0:
-        raise ValueError(f"rate_qps(={rate_qps}) must be > 0")
+        raise ConfigError(f"rate_qps(={rate_qps}) must be > 0")
     if cv <= 0:
-        raise ValueError(f"cv(={cv}) must be > 0")
+        raise ConfigError(f"cv(={cv}) must be > 0")
     times = _unit_renewal(1.0 / cv**2, rng, num_requests, None if duration_s is None else duration_s * rate_qps)
     return times / rate_qps
 
@@ -54,11 +55,11 @@ def piecewise_arrivals(
     A unit-rate Gamma renewal process in operational time Lambda(t) = integral of the rate is
     mapped back through Lambda^-1, so each segment gets its own mean rate and gaps keep their CV."""
     if cv <= 0:
-        raise ValueError(f"cv(={cv}) must be > 0")
+        raise ConfigError(f"cv(={cv}) must be > 0")
     durations = np.array([s.duration_s for s in segments], dtype=np.float64)
     rates = np.array([s.rate_qps for s in segments], dtype=np.float64)
     if len(segments) == 0 or np.any(durations <= 0) or np.any(rates < 0) or not np.any(rates > 0):
-        raise ValueError("segments need duration_s > 0, rate_qps >= 0, and at least one rate_qps > 0")
+        raise ConfigError("segments need duration_s > 0, rate_qps >= 0, and at least one rate_qps > 0")
     t_start = np.concatenate([[0.0], np.cumsum(durations)[:-1]])
     lam_start = np.concatenate([[0.0], np.cumsum(durations * rates)[:-1]])
     horizon_s = float(durations.sum()) if duration_s is None else min(duration_s, float(durations.sum()))
@@ -91,7 +92,7 @@ def _unit_renewal(shape: float, rng: np.random.Generator, num: int | None, horiz
     """Points of a mean-1 Gamma(shape) renewal process starting with a point at 0: the first
     ``num`` points, or all points < ``horizon``, whichever is fewer."""
     if num is None and horizon is None:
-        raise ValueError("give num_requests or duration_s")
+        raise ConfigError("give num_requests or duration_s")
     if num is not None and num <= 0:
         return np.zeros(0)
     if horizon is not None and horizon <= 0:

@@ -3,7 +3,9 @@
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; modules are imported when the CLI is built, so they must keep heavy
 imports (torch, simpy) inside ``run``. Errors the project raises on purpose
-(``PagedWeightError``) are printed as one clear message with exit code 2, never a traceback.
+(``PagedWeightError``, including ``ConfigError`` for a setting outside its allowed values) and
+files that cannot be read or written (``OSError``) are printed as one clear message with exit
+code 2, never a traceback.
 
 Exit codes scripts can rely on: 0 success, 1 the command ran but its check failed
 (e.g. a validation bound), 2 bad input or a command that is not available, 130 interrupted.
@@ -48,6 +50,9 @@ def build_main(prog: str, description: str, commands: dict[str, str]) -> Callabl
         try:
             return int(args._run(args) or 0)
         except PagedWeightError as e:
+            print(f"{prog} {args.command}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        except OSError as e:  # a path that cannot be read or written: its message names it
             print(f"{prog} {args.command}: error: {e}", file=sys.stderr)
             return EXIT_USAGE
         except KeyboardInterrupt:

@@ -29,6 +29,7 @@ import numpy as np
 
 from pagedweight.allocate import Plan, Problem, paper_greedy
 from pagedweight.allocate_hull import MarginalPlanner
+from pagedweight.errors import ConfigError
 from pagedweight.importance import ImportanceTable, RoutingTracker
 from pagedweight.pagetable import ExpertPageTable
 from pagedweight.pool import OWNER_KV, OWNER_PINNED, KvBlockAllocator
@@ -73,7 +74,7 @@ class Controller:
         forecast_blocks=None,
     ):
         if mode not in ("pagedweight", "paper-greedy"):
-            raise ValueError(f"mode(={mode!r}) must be 'pagedweight' or 'paper-greedy'")
+            raise ConfigError(f"mode(={mode!r}) must be 'pagedweight' or 'paper-greedy'")
         self.mode = mode
         self.settings = settings
         self.page_table = page_table

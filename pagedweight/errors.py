@@ -19,6 +19,11 @@ class ScenarioError(PagedWeightError):
     """A scenario file is malformed or asks for something impossible."""
 
 
+class ConfigError(PagedWeightError, ValueError):
+    """A setting outside its allowed values. A ``ValueError`` too, so that pydantic validators
+    raising it report the field, and a CLI prints it without a traceback."""
+
+
 class PoolError(PagedWeightError):
     """Misuse of the page pool: double free, wrong owner, unknown page."""
 
@@ -130,6 +135,8 @@ def read_yaml_mapping(path, error: type[PagedWeightError], allowed: list[str] | 
         raise error(f"file {src} does not exist") from None
     except yaml.YAMLError as e:
         raise error(f"{src}: not valid YAML: {e}") from None
+    except UnicodeDecodeError:
+        raise error(f"{src}: not a text (UTF-8) file") from None
     if not isinstance(raw, dict):
         raise error(f"{src}: expected a mapping at the top level; allowed keys: {', '.join(allowed)}")
     return raw

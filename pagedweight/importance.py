@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,6 +161,8 @@ def read_table(path: str | Path) -> ImportanceTable:
         text = path.read_text()
     except OSError as e:
         raise ImportanceError(f"cannot read importance table {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ImportanceError(f"{path}: not a text (UTF-8) CSV file") from None
     lines = text.splitlines()
     meta: dict[str, str] = {}
     header_line = 0
@@ -236,22 +239,24 @@ def read_table(path: str | Path) -> ImportanceTable:
         if bad.size:
             raise ImportanceError(f"{path}:{line_of[bad[0]]}, column {name}: {ids[bad[0]]} must be >= 0")
     num_layers, num_experts = int(layer.max()) + 1, int(expert.max()) + 1
-    flat = layer * num_experts + expert
-    seen = np.full(num_layers * num_experts, -1, dtype=np.int64)
+    flat = (layer * num_experts + expert).tolist()
+    # A dict, not an array of layers x experts: a typo like layer 100000000 must not allocate it.
+    seen: dict[int, int] = {}
     for r, f in enumerate(flat):
-        if seen[f] >= 0:
+        if f in seen:
             raise ImportanceError(
                 f"{path}:{line_of[r]}: layer {layer[r]} expert {expert[r]} already given on line {line_of[seen[f]]}"
             )
         seen[f] = r
-    absent = np.flatnonzero(seen < 0)
-    if absent.size:
-        shown = ", ".join(f"(layer {a // num_experts}, expert {a % num_experts})" for a in absent[:5])
+    num_absent = num_layers * num_experts - len(seen)
+    if num_absent:
+        absent = [a for a in itertools.islice(itertools.count(), len(seen) + 5) if a not in seen][:5]
+        shown = ", ".join(f"(layer {a // num_experts}, expert {a % num_experts})" for a in absent)
         raise ImportanceError(
-            f"{path}: {absent.size} expert(s) missing from a {num_layers} x {num_experts} table: {shown}"
-            + (" ..." if absent.size > 5 else "")
+            f"{path}: {num_absent} expert(s) missing from a {num_layers} x {num_experts} table: {shown}"
+            + (" ..." if num_absent > 5 else "")
         )
-    order = seen  # row index holding each layer-major position
+    order = np.array([seen[a] for a in range(len(seen))], dtype=np.int64)  # row of each layer-major position
 
     table = ImportanceTable(
         model=meta.get("model", path.stem),

@@ -38,7 +38,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from pagedweight.errors import SpecError
+from pagedweight.errors import SpecError, read_yaml_mapping
 from pagedweight.spec import PRECISIONS
 
 OPS = ("moe_ffn", "attn_prefill", "attn_decode", "dense", "lm_head", "quantize", "h2d_copy")
@@ -58,7 +58,10 @@ def read_kernel_table(path: str | Path) -> tuple[pd.DataFrame, dict]:
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"latency table {path} does not exist")
-    df = pd.read_csv(path)
+    try:
+        df = pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise SpecError(f"{path}: not a CSV latency table ({e})") from None
     missing = [c for c in COLUMNS if c not in df.columns]
     if missing:
         raise SpecError(f"{path}: missing columns {missing}; expected {list(COLUMNS)}")
@@ -81,8 +84,7 @@ def read_kernel_table(path: str | Path) -> tuple[pd.DataFrame, dict]:
     mp = meta_path(path)
     if not mp.is_file():
         raise SpecError(f"{path}: its meta file {mp} is missing (device, versions, date, grid)")
-    with open(mp) as f:
-        meta = yaml.safe_load(f) or {}
+    meta = read_yaml_mapping(mp, SpecError, META_REQUIRED)
     absent = [k for k in META_REQUIRED if k not in meta]
     if absent:
         raise SpecError(f"{mp}: missing keys {absent}; required: {', '.join(META_REQUIRED)}")

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from pagedweight.errors import ConfigError
 from pagedweight.spec import PRECISIONS
 
 
@@ -54,9 +55,9 @@ class AnalyticLatencyConfig(BaseModel):
     def _check_precisions(cls, v: dict[str, float]) -> dict[str, float]:
         for name, eff in v.items():
             if name not in PRECISIONS:
-                raise ValueError(f"unknown precision {name!r}; allowed: {', '.join(PRECISIONS)}")
+                raise ConfigError(f"unknown precision {name!r}; allowed: {', '.join(PRECISIONS)}")
             if not 0 < eff <= 1:
-                raise ValueError(f"precision_hbm_efficiency[{name}](={eff}) must be in (0, 1]")
+                raise ConfigError(f"precision_hbm_efficiency[{name}](={eff}) must be in (0, 1]")
         return v
 
     def describe(self) -> str:
@@ -89,7 +90,7 @@ class TableLatencyConfig(BaseModel):
         if v == "analytic":
             return {}
         if isinstance(v, str):
-            raise ValueError(f"fallback must be 'analytic' or a mapping of analytic settings (got {v!r})")
+            raise ConfigError(f"fallback must be 'analytic' or a mapping of analytic settings (got {v!r})")
         return v
 
     def resolved_path(self, base_dir: str | Path) -> Path:
@@ -144,7 +145,7 @@ class RoutingConfig(BaseModel):
     @model_validator(mode="after")
     def _alpha_only_for_zipf(self) -> RoutingConfig:
         if self.alpha is not None and self.kind != "zipf":
-            raise ValueError(f"alpha(={self.alpha}) applies only to kind 'zipf' (kind is {self.kind!r})")
+            raise ConfigError(f"alpha(={self.alpha}) applies only to kind 'zipf' (kind is {self.kind!r})")
         return self
 
     def resolved_kind(self, has_importance_table: bool) -> RoutingKind:

@@ -168,6 +168,8 @@ class KvBlockAllocator:
     """
 
     def __init__(self, pool: PagePool, block_tokens: int, kv_bytes_per_token: int):
+        if block_tokens < 1:
+            raise PoolError(f"kv_block_tokens(={block_tokens}) must be >= 1")
         self.pool = pool
         self.block_tokens = block_tokens
         self.block_bytes = block_tokens * kv_bytes_per_token

@@ -126,7 +126,7 @@ def read_summary(path: Path) -> dict:
         summary = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise PagedWeightError(f"{f}: not valid JSON ({e})") from None
-    if not isinstance(summary.get("policies"), dict):
+    if not isinstance(summary, dict) or not isinstance(summary.get("policies"), dict):
         raise PagedWeightError(f"{f}: no 'policies' mapping")
     return summary
 

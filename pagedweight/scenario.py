@@ -19,6 +19,7 @@ scenario are resolved against the scenario file's directory. Only ``yaml.safe_lo
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -26,7 +27,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pagedweight.errors import PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
+from pagedweight.errors import ConfigError, PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
 from pagedweight.latency_config import AnalyticLatencyConfig, LatencyConfig, RoutingConfig
 from pagedweight.policy import POLICY_NAMES
 from pagedweight.spec import PRECISIONS, ModelSpec, get_precision, ladder, load_gpu, load_model
@@ -39,20 +40,23 @@ _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 def parse_bytes(value: object) -> int:
     """``123``, ``"2 MiB"``, ``"80GB"``, ``"1.5e9"`` -> bytes. Binary units are powers of 1024."""
     if isinstance(value, bool):
-        raise ValueError("a size in bytes, e.g. 2097152 or '2 MiB'")
+        raise ConfigError("a size in bytes, e.g. 2097152 or '2 MiB'")
     if isinstance(value, int | float):
         out = value
     elif isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", value)
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(
+            raise ConfigError(
                 f"{value!r} is not a size; write e.g. 2097152, '2 MiB' or '80 GB' (units: B, KiB, MiB, GiB, KB, MB, GB)"
             )
-        out = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        try:
+            out = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        except ValueError:  # matched the character class but is no number, e.g. "1.2.3"
+            raise ConfigError(f"{value!r} is not a size; write e.g. 2097152, '2 MiB' or '80 GB'") from None
     else:
-        raise ValueError("a size in bytes, e.g. 2097152 or '2 MiB'")
-    if out <= 0:
-        raise ValueError(f"a size must be > 0 (got {value!r})")
+        raise ConfigError("a size in bytes, e.g. 2097152 or '2 MiB'")
+    if not math.isfinite(out) or out <= 0:
+        raise ConfigError(f"a size must be a finite number > 0 (got {value!r})")
     return int(out)
 
 
@@ -77,16 +81,16 @@ class MemoryConfig(_Strict):
     @classmethod
     def _known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         if not v:
-            raise ValueError("name at least one precision")
+            raise ConfigError("name at least one precision")
         for name in v:
             if name not in PRECISIONS:
-                raise ValueError(f"unknown precision {name!r}; allowed: {', '.join(PRECISIONS)}")
+                raise ConfigError(f"unknown precision {name!r}; allowed: {', '.join(PRECISIONS)}")
         return tuple(p.name for p in ladder(list(v)))
 
     @model_validator(mode="after")
     def _one_budget(self) -> MemoryConfig:
         if (self.budget is None) == (self.budget_fraction is None):
-            raise ValueError("give exactly one of budget (bytes, e.g. '120 GiB') or budget_fraction (0-1 of the GPU)")
+            raise ConfigError("give exactly one of budget (bytes, e.g. '120 GiB') or budget_fraction (0-1 of the GPU)")
         return self
 
 
@@ -144,7 +148,7 @@ class ControllerConfig(_Strict):
     @model_validator(mode="after")
     def _ordered(self) -> ControllerConfig:
         if self.high_watermark <= self.low_watermark:
-            raise ValueError(
+            raise ConfigError(
                 f"high_watermark(={self.high_watermark}) must be > low_watermark(={self.low_watermark}) (hysteresis)"
             )
         return self
@@ -176,12 +180,12 @@ class Scenario(_Strict):
     @classmethod
     def _known_policies(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         if not v:
-            raise ValueError(f"name at least one policy; allowed: {', '.join(POLICY_NAMES)}")
+            raise ConfigError(f"name at least one policy; allowed: {', '.join(POLICY_NAMES)}")
         for name in v:
             if name not in POLICY_NAMES:
-                raise ValueError(f"unknown policy {name!r}; allowed: {', '.join(POLICY_NAMES)}")
+                raise ConfigError(f"unknown policy {name!r}; allowed: {', '.join(POLICY_NAMES)}")
         if len(set(v)) != len(v):
-            raise ValueError("a policy is listed twice")
+            raise ConfigError("a policy is listed twice")
         return v
 
 
@@ -232,7 +236,10 @@ def apply_overrides(raw: dict, overrides: list[str], source: str) -> dict:
             if not isinstance(node.get(k, {}), dict):
                 raise ScenarioError(f"{source}: --set {path}: {k} is not a mapping")
             node = node.setdefault(k, {})
-        node[keys[-1]] = yaml.safe_load(value)
+        try:
+            node[keys[-1]] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ScenarioError(f"{source}: --set {item!r}: the value is not valid YAML ({e})") from None
     return raw
 
 

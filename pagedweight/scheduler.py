@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedweight.errors import ConfigError
 from pagedweight.pool import KvBlockAllocator
 from pagedweight.step import StepShape
 
@@ -44,9 +45,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}(={getattr(self, name)}) must be > 0")
+                raise ConfigError(f"{name}(={getattr(self, name)}) must be > 0")
         if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode(={self.preemption_mode!r}) must be 'recompute' or 'swap'")
+            raise ConfigError(f"preemption_mode(={self.preemption_mode!r}) must be 'recompute' or 'swap'")
 
 
 class Request:

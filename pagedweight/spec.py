@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pagedweight.errors import SpecError, format_validation_error, read_yaml_mapping
+from pagedweight.errors import ConfigError, SpecError, format_validation_error, read_yaml_mapping
 
 # --------------------------------------------------------------------------------------------
 # Precisions
@@ -159,17 +159,17 @@ class ModelSpec(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
         if self.top_k > self.num_experts:
-            raise ValueError(f"top_k(={self.top_k}) must be <= num_experts(={self.num_experts})")
+            raise ConfigError(f"top_k(={self.top_k}) must be <= num_experts(={self.num_experts})")
         if self.num_dense_layers >= self.num_layers:
-            raise ValueError("num_dense_layers must be < num_layers: the model must have MoE layers")
+            raise ConfigError("num_dense_layers must be < num_layers: the model must have MoE layers")
         if self.num_dense_layers and not self.dense_ffn_size:
-            raise ValueError("dense_ffn_size is required when num_dense_layers > 0")
+            raise ConfigError("dense_ffn_size is required when num_dense_layers > 0")
         if self.num_shared_experts and not self.shared_expert_ffn_size:
-            raise ValueError("shared_expert_ffn_size is required when num_shared_experts > 0")
+            raise ConfigError("shared_expert_ffn_size is required when num_shared_experts > 0")
         if self.attention == "gqa" and self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads(={self.num_heads}) must be a multiple of num_kv_heads")
+            raise ConfigError(f"num_heads(={self.num_heads}) must be a multiple of num_kv_heads")
         if self.attention == "mla" and not (self.kv_lora_rank and self.qk_rope_head_dim):
-            raise ValueError("attention 'mla' needs kv_lora_rank and qk_rope_head_dim")
+            raise ConfigError("attention 'mla' needs kv_lora_rank and qk_rope_head_dim")
         return self
 
     # ---- experts ------------------------------------------------------------------------

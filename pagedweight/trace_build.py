@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedweight.arrivals import generate_arrivals
-from pagedweight.errors import TraceError
+from pagedweight.errors import ConfigError, TraceError
 from pagedweight.traces import RequestTrace, load_azure, load_burstgpt, load_generic, load_lengths, load_mooncake
 from pagedweight.workload import (
     FileLengths,
@@ -32,7 +32,7 @@ def build_workload(
     ``base_dir`` is the scenario file's directory (relative paths resolve against it); ``rng``
     is the run's generator (used by synthetic arrivals and lengths and by random spreading)."""
     if max_context_tokens < 2:
-        raise ValueError(f"max_context_tokens(={max_context_tokens}) must be >= 2")
+        raise ConfigError(f"max_context_tokens(={max_context_tokens}) must be >= 2")
     if isinstance(cfg, SyntheticWorkload):
         arrival_s = generate_arrivals(cfg.arrival, rng, num_requests=cfg.num_requests, duration_s=cfg.duration_s)
         if len(arrival_s) == 0:
@@ -100,7 +100,7 @@ def spread_buckets(trace: RequestTrace, bucket_s: float, mode: str, rng: np.rand
     Mooncake's conversation trace stamps ~10 requests at once every ~3 s; replaying them as one
     batch is an artefact of the logging. File order is kept within a bucket (multi-turn order)."""
     if bucket_s <= 0:
-        raise ValueError(f"bucket_s(={bucket_s}) must be > 0")
+        raise ConfigError(f"bucket_s(={bucket_s}) must be > 0")
     t = trace.arrival_s
     if len(t) < 2:
         return trace
@@ -117,7 +117,7 @@ def spread_buckets(trace: RequestTrace, bucket_s: float, mode: str, rng: np.rand
         u = rng.uniform(size=len(t))
         frac = u[np.lexsort((u, group))]  # sorted within each group, so file order is kept
     else:
-        raise ValueError(f"mode(={mode!r}) must be 'even' or 'random'")
+        raise ConfigError(f"mode(={mode!r}) must be 'even' or 'random'")
     spread_s = starts[group] + width[group] * frac
     shared = int(np.sum(sizes[sizes > 1]))
     note = f"spread {shared} requests sharing {int(np.sum(sizes > 1))} timestamps over {bucket_s:g} s ({mode})"
@@ -160,7 +160,7 @@ def take(trace: RequestTrace, max_requests: int) -> RequestTrace:
 def scale_rate(trace: RequestTrace, rate_scale: float) -> RequestTrace:
     """Multiply the load: every inter-arrival time is divided by ``rate_scale``."""
     if rate_scale <= 0:
-        raise ValueError(f"rate_scale(={rate_scale}) must be > 0")
+        raise ConfigError(f"rate_scale(={rate_scale}) must be > 0")
     return trace.with_changes(f"rate x{rate_scale:g}", arrival_s=trace.arrival_s / rate_scale)
 
 

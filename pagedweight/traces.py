@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pagedweight.errors import TraceError
+from pagedweight.errors import ConfigError, TraceError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 # pandas < 3 turns epoch-like numbers under keys such as "timestamp" or "*_time" into datetimes
@@ -55,14 +55,14 @@ class RequestTrace:
         prompt = np.asarray(self.prompt_tokens, dtype=np.int64)
         output = np.asarray(self.output_tokens, dtype=np.int64)
         if not (arrival.ndim == prompt.ndim == output.ndim == 1 and len(arrival) == len(prompt) == len(output)):
-            raise ValueError(
+            raise ConfigError(
                 f"arrival_s, prompt_tokens and output_tokens must be 1-D of equal length "
                 f"(got {arrival.shape}, {prompt.shape}, {output.shape})"
             )
         if len(arrival) and (not np.all(np.isfinite(arrival)) or np.any(np.diff(arrival) < 0)):
-            raise ValueError("arrival_s must be finite and sorted")
+            raise ConfigError("arrival_s must be finite and sorted")
         if np.any(prompt < 1) or np.any(output < 1):
-            raise ValueError("prompt_tokens and output_tokens must be >= 1")
+            raise ConfigError("prompt_tokens and output_tokens must be >= 1")
         for name, arr in (("arrival_s", arrival), ("prompt_tokens", prompt), ("output_tokens", output)):
             arr = arr.copy() if arr is getattr(self, name) else arr
             arr.setflags(write=False)

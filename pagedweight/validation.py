@@ -7,14 +7,13 @@ over-predicts. ``validation.json`` holds every figure and the bounds they were c
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from pagedweight.errors import PagedWeightError
-from pagedweight.report_data import signed_error_perc
+from pagedweight.report_data import read_summary, signed_error_perc
 
 # Metric -> bound on |error| in % (None: reported, not checked). The GPU targets of the
 # validation issue: throughput and mean TPOT within 5%, P50/P99 TTFT within 10%.
@@ -48,12 +47,10 @@ METRICS = (
 
 
 def _load(d: Path) -> tuple[dict, pd.DataFrame | None, pd.DataFrame | None]:
-    s = d / "summary.json"
-    if not s.is_file():
-        raise PagedWeightError(f"{d}: no summary.json; expected a results directory from pwsim run or pwgpu")
+    summary = read_summary(d)  # a clear error for anything but a results directory
     steps = pd.read_csv(d / "steps.csv") if (d / "steps.csv").is_file() else None
     tr = pd.read_csv(d / "transitions.csv") if (d / "transitions.csv").is_file() else None
-    return json.loads(s.read_text()), steps, tr
+    return summary, steps, tr
 
 
 def _weight_bytes_over_time(steps: pd.DataFrame, page_bytes: int, grid_s: np.ndarray) -> dict[str, np.ndarray]:

@@ -30,6 +30,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
+from pagedweight.errors import ConfigError
+
 # Standard normal quantile at 0.9: a lognormal's p90 is exp(mu + Z90 * sigma).
 Z90 = 1.2815515655446004
 
@@ -81,7 +83,7 @@ class PiecewiseArrival(_Frozen):
     @model_validator(mode="after")
     def _some_load(self) -> PiecewiseArrival:
         if not any(s.rate_qps > 0 for s in self.segments):
-            raise ValueError("every segment has rate_qps 0; at least one must be > 0")
+            raise ConfigError("every segment has rate_qps 0; at least one must be > 0")
         return self
 
     def total_duration_s(self) -> float:
@@ -111,20 +113,20 @@ class LognormalTokens(_Frozen):
     @model_validator(mode="after")
     def _one_of_each(self) -> LognormalTokens:
         if (self.mean is None) == (self.median is None):
-            raise ValueError("give exactly one of mean or median")
+            raise ConfigError("give exactly one of mean or median")
         if (self.sigma is None) == (self.p90 is None):
-            raise ValueError("give exactly one of sigma or p90")
+            raise ConfigError("give exactly one of sigma or p90")
         if self.max is not None and self.max < self.min:
-            raise ValueError(f"max (={self.max}) must be >= min (={self.min})")
+            raise ConfigError(f"max (={self.max}) must be >= min (={self.min})")
         if self.p90 is not None:
             centre = self.median if self.median is not None else self.mean
             if self.p90 <= centre:
                 which = "median" if self.median is not None else "mean"
-                raise ValueError(f"p90 (={self.p90}) must be > {which} (={centre})")
+                raise ConfigError(f"p90 (={self.p90}) must be > {which} (={centre})")
             if self.mean is not None and math.log(self.p90 / self.mean) > Z90**2 / 2:
                 # mean = exp(mu + s^2/2) and p90 = exp(mu + Z90 s) have no solution s > 0 here.
                 bound = self.mean * math.exp(Z90**2 / 2)
-                raise ValueError(
+                raise ConfigError(
                     f"no lognormal has mean {self.mean} and p90 {self.p90} (p90 must be <= {bound:.1f}); "
                     "give median instead of mean"
                 )
@@ -211,21 +213,21 @@ class TraceWorkload(_Frozen):
     def _format_options(self) -> TraceWorkload:
         fmt = self.format
         if fmt == "generic" and self.columns is None:
-            raise ValueError("format generic needs columns: {arrival: NAME, prompt_tokens: NAME, output_tokens: NAME}")
+            raise ConfigError("format generic needs columns: {arrival: NAME, prompt_tokens: NAME, output_tokens: NAME}")
         if fmt != "generic" and self.columns is not None:
-            raise ValueError(f"columns only applies to format generic (format is {fmt})")
+            raise ConfigError(f"columns only applies to format generic (format is {fmt})")
         if fmt == "sharegpt" and self.arrival is None:
-            raise ValueError(
+            raise ConfigError(
                 "format sharegpt has no timestamps; give an arrival process (arrival: {kind: poisson, ...})"
             )
         if fmt != "sharegpt" and self.arrival is not None:
-            raise ValueError(f"arrival only applies to format sharegpt; a {fmt} trace has its own timestamps")
+            raise ConfigError(f"arrival only applies to format sharegpt; a {fmt} trace has its own timestamps")
         if self.time_unit is not None and fmt not in ("mooncake", "burstgpt", "generic"):
-            raise ValueError(f"time_unit does not apply to format {fmt}")
+            raise ConfigError(f"time_unit does not apply to format {fmt}")
         if self.burstgpt_model is not None and fmt != "burstgpt":
-            raise ValueError(f"burstgpt_model only applies to format burstgpt (format is {fmt})")
+            raise ConfigError(f"burstgpt_model only applies to format burstgpt (format is {fmt})")
         if self.spread_bucket_s is not None and fmt == "sharegpt":
-            raise ValueError("spread_bucket_s does not apply to format sharegpt (its arrivals are generated)")
+            raise ConfigError("spread_bucket_s does not apply to format sharegpt (its arrivals are generated)")
         return self
 
     def effective_time_unit(self) -> Literal["s", "ms"]:
@@ -250,7 +252,7 @@ class SyntheticWorkload(_Frozen):
     @model_validator(mode="after")
     def _bounded(self) -> SyntheticWorkload:
         if self.num_requests is None and self.duration_s is None and not isinstance(self.arrival, PiecewiseArrival):
-            raise ValueError("give num_requests or duration_s (or a piecewise arrival, whose segments end)")
+            raise ConfigError("give num_requests or duration_s (or a piecewise arrival, whose segments end)")
         return self
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F_
 
+from pagedweight.errors import ConfigError
+
 
 @dataclass
 class AttentionBatch:
@@ -57,7 +59,7 @@ class PagedKvCache:
         elem = torch.tensor([], dtype=dtype).element_size()
         self.block_bytes = num_layers * 2 * block_tokens * num_kv_heads * head_dim * elem
         if page_bytes % elem or blocks_per_page * self.block_bytes > page_bytes:
-            raise ValueError(f"{blocks_per_page} KV blocks of {self.block_bytes} B do not fit a {page_bytes} B page")
+            raise ConfigError(f"{blocks_per_page} KV blocks of {self.block_bytes} B do not fit a {page_bytes} B page")
         self.arena, self.dtype = arena, dtype
         self.page_bytes, self.block_tokens, self.blocks_per_page = page_bytes, block_tokens, blocks_per_page
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedweight.errors import ConfigError
+
 
 @triton.jit
 def _paged_decode_kernel(
@@ -57,9 +59,9 @@ def paged_decode_triton(q, kv, layer: int, block_tables: torch.Tensor, context_l
     """q [B, Hq, D] -> [B, Hq, D]; every ``context_lens[b] >= 1``."""
     b, num_heads, head_dim = q.shape
     if kv.block_tokens & (kv.block_tokens - 1):
-        raise ValueError(f"the Triton decode kernel needs a power-of-two block size, got {kv.block_tokens} tokens")
+        raise ConfigError(f"the Triton decode kernel needs a power-of-two block size, got {kv.block_tokens} tokens")
     if num_heads % kv.num_kv_heads or head_dim != kv.head_dim:
-        raise ValueError(f"q {tuple(q.shape)} does not match a cache of {kv.num_kv_heads} KV heads of {kv.head_dim}")
+        raise ConfigError(f"q {tuple(q.shape)} does not match a cache of {kv.num_kv_heads} KV heads of {kv.head_dim}")
     q = q.contiguous()
     out = torch.empty_like(q)
     offsets = kv.block_offsets(layer, block_tables).contiguous()

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from pagedweight.errors import ConfigError
+
 NAME = "tiny-random-mixtral"
 VOCAB_SIZE = 320  # 256 byte tokens, <s>, </s>, padding to a multiple of 64
 BOS, EOS = 256, 257
@@ -127,7 +129,7 @@ def mixtral_config_like(spec, num_layers: int | None = None) -> dict:
     """A Mixtral ``config.json`` with the shape of a ``ModelSpec`` (e.g. mixtral-8x7b), optionally
     with fewer layers: random weights of a real model's shape for GPU runs."""
     if spec.num_shared_experts or spec.num_dense_layers or spec.attention != "gqa" or spec.qk_norm:
-        raise ValueError(f"{spec.name} is not Mixtral-shaped (shared experts, dense layers, MLA or q/k norms)")
+        raise ConfigError(f"{spec.name} is not Mixtral-shaped (shared experts, dense layers, MLA or q/k norms)")
     return dict(
         CONFIG,
         vocab_size=spec.vocab_size,

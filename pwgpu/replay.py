@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from pagedweight.errors import ConfigError
 from pagedweight.metrics import Slo, request_rows, summarize
 from pagedweight.results import atomic_write_csv, atomic_write_text
 from pagedweight.scheduler import FINISHED, REJECTED, Request
@@ -38,7 +39,7 @@ def load_trace(path: str | Path, arrival: str = "arrival_s", prompt: str = "prom
     if fmt == "burstgpt":
         return load_burstgpt(path)
     if fmt == "sharegpt":
-        raise ValueError(f"{path}: a lengths file has no arrival times; replay needs a timed trace")
+        raise ConfigError(f"{path}: a lengths file has no arrival times; replay needs a timed trace")
     return load_generic(path, arrival, prompt, output, time_unit)
 
 

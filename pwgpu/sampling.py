@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedweight.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,11 +23,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens(={self.max_tokens}) must be >= 1")
+            raise ConfigError(f"max_tokens(={self.max_tokens}) must be >= 1")
         if self.temperature < 0:
-            raise ValueError(f"temperature(={self.temperature}) must be >= 0")
+            raise ConfigError(f"temperature(={self.temperature}) must be >= 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p(={self.top_p}) must be in (0, 1]")
+            raise ConfigError(f"top_p(={self.top_p}) must be in (0, 1]")
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:

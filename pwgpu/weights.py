@@ -27,6 +27,7 @@ from dataclasses import fields
 import numpy as np
 import torch
 
+from pagedweight.errors import ConfigError
 from pagedweight.pagetable import Transition
 from pagedweight.pool import OWNER_PINNED
 from pagedweight.spec import PRECISION_NAMES, PRECISIONS
@@ -51,10 +52,10 @@ class WeightStore:
         ``moe_kernel``: "triton" (fused MoE GEMM through the page table) or "reference"
         (dequantise, then dense PyTorch); default: triton on CUDA, reference elsewhere."""
         if moe_kernel not in (None, "triton", "reference"):
-            raise ValueError(f"moe_kernel {moe_kernel!r} unknown; allowed: triton, reference")
+            raise ConfigError(f"moe_kernel {moe_kernel!r} unknown; allowed: triton, reference")
         self.moe_kernel = moe_kernel or ("triton" if device.type == "cuda" else "reference")
         if page_bytes & (page_bytes - 1) or page_bytes < ALIGN_BYTES:
-            raise ValueError(f"page_bytes(={page_bytes}) must be a power of two >= {ALIGN_BYTES}")
+            raise ConfigError(f"page_bytes(={page_bytes}) must be a power of two >= {ALIGN_BYTES}")
         pin = device.type == "cuda"
         self.masters = tuple([w.pin_memory() if pin else w for w in ws] for ws in masters)
         self.page_bytes, self.device = page_bytes, device

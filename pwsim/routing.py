@@ -45,6 +45,7 @@ import math
 
 import numpy as np
 
+from pagedweight.errors import ConfigError
 from pagedweight.spec import ModelSpec
 
 # Exact systematic sampling up to this many points (T * L * k) per call: 6 us for Mixtral at
@@ -63,14 +64,14 @@ def waterfill_top_k(freqs: np.ndarray, top_k: int) -> np.ndarray:
     """
     p = np.asarray(freqs, dtype=np.float64)
     if p.ndim != 2:
-        raise ValueError(f"frequencies must be 2-D (layers, experts), got shape {p.shape}")
+        raise ConfigError(f"frequencies must be 2-D (layers, experts), got shape {p.shape}")
     if (p < 0).any() or not np.isfinite(p).all():
-        raise ValueError("frequencies must be finite and >= 0")
+        raise ConfigError("frequencies must be finite and >= 0")
     sums = p.sum(axis=1, keepdims=True)
     if (sums <= 0).any():
-        raise ValueError(f"frequencies of layer {int(np.argmin(sums[:, 0]))} are all 0")
+        raise ConfigError(f"frequencies of layer {int(np.argmin(sums[:, 0]))} are all 0")
     if (np.count_nonzero(p, axis=1) < top_k).any():
-        raise ValueError(f"every layer needs at least top_k(={top_k}) experts with frequency > 0")
+        raise ConfigError(f"every layer needs at least top_k(={top_k}) experts with frequency > 0")
     p = p / sums
     cap = 1.0 / top_k
     capped = np.zeros(p.shape, dtype=bool)
@@ -108,10 +109,10 @@ class RoutingSampler:
         num_layers, num_experts = model.num_moe_layers, model.num_experts
         if kind == "importance":
             if frequencies is None:
-                raise ValueError("routing kind 'importance' needs the importance table's frequencies")
+                raise ConfigError("routing kind 'importance' needs the importance table's frequencies")
             freqs = np.asarray(frequencies, dtype=np.float64)
             if freqs.shape != (num_layers, num_experts):
-                raise ValueError(
+                raise ConfigError(
                     f"frequencies have shape {freqs.shape}; {model.name} needs ({num_layers}, {num_experts})"
                 )
         elif kind == "uniform":
@@ -119,7 +120,7 @@ class RoutingSampler:
         elif kind == "zipf":
             freqs = zipf_frequencies(num_layers, num_experts, alpha, rng)
         else:
-            raise ValueError(f"routing kind {kind!r} unknown; allowed: importance, uniform, zipf")
+            raise ConfigError(f"routing kind {kind!r} unknown; allowed: importance, uniform, zipf")
         self.kind = kind
         self.top_k = k = model.top_k
         self.rng = rng

@@ -39,7 +39,7 @@ from typing import Any
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pagedweight.errors import PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
+from pagedweight.errors import ConfigError, PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
 from pagedweight.report_data import METRIC_KEYS, policy_metrics, read_summary
 from pagedweight.results import atomic_write_csv, atomic_write_text
 from pagedweight.scenario import load_scenario
@@ -67,7 +67,7 @@ class SweepSpec(BaseModel):
     def _dotted(cls, v: dict) -> dict:
         for key in v:
             if not _KEY.fullmatch(key):
-                raise ValueError(f"{key!r} is not a dotted scenario key like memory.budget or workload.rate_scale")
+                raise ConfigError(f"{key!r} is not a dotted scenario key like memory.budget or workload.rate_scale")
         return v
 
     @field_validator("grid")
@@ -75,17 +75,17 @@ class SweepSpec(BaseModel):
     def _values(cls, v: dict[str, list]) -> dict[str, list]:
         for key, values in v.items():
             if not values:
-                raise ValueError(f"{key}: give at least one value")
+                raise ConfigError(f"{key}: give at least one value")
             canon = [json.dumps(x, sort_keys=True) for x in values]
             if len(set(canon)) != len(canon):
-                raise ValueError(f"{key}: a value is listed twice")
+                raise ConfigError(f"{key}: a value is listed twice")
         return v
 
     @model_validator(mode="after")
     def _disjoint(self) -> SweepSpec:
         both = sorted(set(self.set) & set(self.grid))
         if both:
-            raise ValueError(f"{', '.join(both)} both in set and in grid; keep each key in one of them")
+            raise ConfigError(f"{', '.join(both)} both in set and in grid; keep each key in one of them")
         return self
 
 

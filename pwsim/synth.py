@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pagedweight.errors import ConfigError
 from pagedweight.workload import SyntheticWorkload, parse_workload
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ def synthesize(
     from pagedweight.trace_build import build_workload  # pandas-backed; kept out of the CLI's start-up
 
     if kind not in SYNTH_PRESETS:
-        raise ValueError(f"kind(={kind!r}) must be one of {', '.join(SYNTH_PRESETS)}")
+        raise ConfigError(f"kind(={kind!r}) must be one of {', '.join(SYNTH_PRESETS)}")
     preset = SYNTH_PRESETS[kind]
     data = preset.workload.model_dump()
     if duration_s is not None or num_requests is not None:

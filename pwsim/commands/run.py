@@ -22,10 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pwsim.run import run_scenario
 
-    loaded = load_scenario(args.scenario, args.set)
-    for name in args.policy or []:
+    for name in args.policy or []:  # before loading: a bad name is the error to report
         if name not in POLICY_NAMES:
             raise ScenarioError(f"--policy {name!r} unknown; allowed: {', '.join(POLICY_NAMES)}")
+    loaded = load_scenario(args.scenario, args.set)
     out = Path(args.out or Path("runs") / loaded.scenario.name)
     summary = run_scenario(loaded, out, policies=args.policy, progress=not args.no_progress, report=not args.no_report)
     print(f"{summary['scenario']}: {summary['model']} on {summary['gpu']}, {summary['trace']['num_requests']} requests")

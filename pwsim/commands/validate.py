@@ -56,9 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagedweight.policy import POLICY_NAMES
     from pagedweight.results import atomic_write_text
     from pagedweight.validation import compare, format_validation
 
+    unknown = [p for p in args.policy or [] if p not in POLICY_NAMES]
+    if unknown:  # before minutes of profiling and real runs
+        raise PagedWeightError(f"--policy {unknown[0]!r} unknown; allowed: {', '.join(POLICY_NAMES)}")
     calibration = None
     args.overrides = []
     if args.scenario:
