@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pagedweight.controller import ControllerSettings
-from pagedweight.errors import PagedWeightError
+from pagedweight.errors import ConfigError, PagedWeightError
 from pagedweight.importance import ImportanceTable, on_ladder, read_table, synthetic_table
 from pagedweight.metrics import Slo
 from pagedweight.results import ResultsWriter, policy_summary
@@ -66,7 +66,7 @@ class Engine:
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype_name = cfg.dtype or default_dtype_name(self.device)
         if dtype_name not in DTYPES:
-            raise ValueError(f"dtype {dtype_name!r} unknown; allowed: {', '.join(DTYPES)}")
+            raise ConfigError(f"dtype {dtype_name!r} unknown; allowed: {', '.join(DTYPES)}")
         self.dtype = DTYPES[dtype_name]
         ckpt = load_checkpoint(model_dir)
         self.arch = arch = ckpt.arch
@@ -110,7 +110,9 @@ class Engine:
             self.store.arena, self.page_bytes, cfg.kv_block_tokens, kv.blocks_per_page,
             arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype,
         )  # fmt: skip
-        self.requests: list[EngineRequest] = []
+        # Every request's scheduler record, for the results (not its token ids: a server runs
+        # for days).
+        self.records: list[Request] = []
         self._by_req: dict[int, EngineRequest] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._next_id = 0
@@ -140,7 +142,7 @@ class Engine:
                 REJECTED,
                 f"token id {bad[0]} outside the vocabulary of {self.arch.vocab_size}",
             )
-        self.requests.append(er)
+        self.records.append(req)
         if req.state == REJECTED or not self.core.scheduler.add(req):
             req.finish_s = self.now()
             er.finish_reason = "rejected"
@@ -222,11 +224,13 @@ class Engine:
         ids, seqs, last_rows, ers = [], [], [], []
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             er = self._by_req[req.request_id]
-            tokens = er.prompt_ids + er.output_ids
-            start = req.num_computed_tokens
-            ids.extend(tokens[start : start + n])
+            start, prompt = req.num_computed_tokens, er.prompt_ids
+            # The new tokens, without copying the whole context: prompt first, then outputs.
+            ids.extend(prompt[start : start + n])
+            if start + n > len(prompt):
+                ids.extend(er.output_ids[max(start - len(prompt), 0) : start + n - len(prompt)])
             seqs.append((req.block_ids, start, n))
-            if start + n == len(tokens):
+            if start + n == len(prompt) + len(er.output_ids):
                 last_rows.append(len(ids) - 1)
                 ers.append(er)
         attn, positions = build_batch(seqs, self.cfg.kv_block_tokens, self.device)
@@ -264,7 +268,7 @@ class Engine:
     # ---- results ----------------------------------------------------------------------------
     def write_results(self, out_dir: str | Path, scenario: str = "serve", trace: dict | None = None) -> dict:
         """The results directory ``pagedweight.report`` reads (runtime ``pwgpu``)."""
-        reqs = [er.req for er in self.requests]
+        reqs = self.records
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         writer = ResultsWriter(
             Path(out_dir),

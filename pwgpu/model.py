@@ -165,19 +165,31 @@ class Rope:
         )
         self.cos = self.sin = torch.zeros(0, head_dim, device=device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated by the angle of each token's position."""
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self.cos.shape[0]:
-            n = max(need, 2 * self.cos.shape[0], 256)
+    def angles(
+        self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, 1, D] of each token's position, once per step for every layer.
+        ``max_position``: the largest of ``positions`` when the caller knows it on the host
+        (otherwise read from the device, a sync)."""
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else -1
+        if max_position + 1 > self.cos.shape[0]:
+            n = max(max_position + 1, 2 * self.cos.shape[0], 256)
             freqs = torch.outer(torch.arange(n, device=self.inv_freq.device).float(), self.inv_freq)
             emb = torch.cat([freqs, freqs], dim=-1)
             self.cos, self.sin = emb.cos(), emb.sin()
-        cos = self.cos[positions].to(x.dtype)[:, None, :]
-        sin = self.sin[positions].to(x.dtype)[:, None, :]
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated by ``angles``."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated by the angle of each token's position."""
+        return self.rotate(x, *self.angles(positions, x.dtype))
 
 
 class MoeTransformer:
@@ -191,8 +203,10 @@ class MoeTransformer:
         """input_ids, positions [T] -> final hidden states [T, H] (before the final norm)."""
         a = self.arch
         h = F_.embedding(input_ids, self.w.embed)
+        # RoPE angles once per step for all layers; the largest position is known on the host.
+        angles = self.rope.angles(positions, h.dtype, max(batch.context_lens_host, default=0) - 1)
         for i, lw in enumerate(self.w.layers):
-            h = h + self._attention(i, lw, rms_norm(h, lw.input_norm, a.rms_norm_eps), positions, batch, kv)
+            h = h + self._attention(i, lw, rms_norm(h, lw.input_norm, a.rms_norm_eps), angles, batch, kv)
             h = h + self._ffn(i, lw, rms_norm(h, lw.post_norm, a.rms_norm_eps))
         return h
 
@@ -200,7 +214,7 @@ class MoeTransformer:
         """hidden [N, H] -> fp32 logits [N, V]."""
         return F_.linear(rms_norm(hidden, self.w.final_norm, self.arch.rms_norm_eps), self.w.lm_head).float()
 
-    def _attention(self, layer, lw: LayerWeights, x, positions, batch: AttentionBatch, kv: PagedKvCache):
+    def _attention(self, layer, lw: LayerWeights, x, angles, batch: AttentionBatch, kv: PagedKvCache):
         a = self.arch
         t = x.shape[0]
         q, k, v = F_.linear(x, lw.q, lw.q_bias), F_.linear(x, lw.k, lw.k_bias), F_.linear(x, lw.v, lw.v_bias)
@@ -213,7 +227,7 @@ class MoeTransformer:
         v = v.view(t, a.num_kv_heads, a.head_dim)
         if a.qk_norm == "head":
             q, k = rms_norm(q, lw.q_norm, a.rms_norm_eps), rms_norm(k, lw.k_norm, a.rms_norm_eps)
-        q, k = self.rope.apply(q, positions), self.rope.apply(k, positions)
+        q, k = Rope.rotate(q, *angles), Rope.rotate(k, *angles)
         kv.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
         out = paged_attention(q, kv, layer, batch, a.head_dim**-0.5)  # [T, Hq, D]
         return F_.linear(out.reshape(t, -1), lw.o)

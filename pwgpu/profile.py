@@ -19,6 +19,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F_
 
+from pagedweight.errors import ConfigError
 from pagedweight.kernel_table import KEY_COLUMNS
 from pagedweight.spec import PRECISION_NAMES, ModelSpec
 from pwgpu.attention import PagedKvCache, build_batch, paged_attention
@@ -304,15 +305,16 @@ class Profiler:
         norm_w = torch.ones(h, device=self.device, dtype=self.dtype)
         head = self._randn(spec.vocab_size, h, scale=h**-0.5)
 
-        def dense(x, positions):
+        def dense(x, angles):
             # One layer of the engine's forward (pwgpu/model.py) without attention and experts.
             y = rms_norm(x, norm_w, eps)
             q = F_.linear(y, w_q)
             if w_k is not None:
                 t = x.shape[0]
                 F_.linear(y, w_v)  # V goes to the cache; the attention op times that write
-                q = rope.apply(q.view(t, spec.num_heads, spec.head_dim), positions)
-                rope.apply(F_.linear(y, w_k).view(t, spec.num_kv_heads, spec.head_dim), positions)
+                # The RoPE angles are computed once per step for all layers, as the engine does.
+                q = Rope.rotate(q.view(t, spec.num_heads, spec.head_dim), *angles)
+                Rope.rotate(F_.linear(y, w_k).view(t, spec.num_kv_heads, spec.head_dim), *angles)
                 q = F_.linear(q.reshape(t, -1), w_o)  # attention itself is the attn_* ops
             x = x + q
             z = rms_norm(x, norm_w, eps)
@@ -329,8 +331,8 @@ class Profiler:
 
         for m in self.grid.dense_m:
             x = self._randn(m, h)
-            positions = torch.arange(m, device=self.device)
-            self._record("dense", lambda x=x, p=positions: dense(x, p), m=m)
+            angles = rope.angles(torch.arange(m, device=self.device), self.dtype, m - 1) if w_k is not None else None
+            self._record("dense", lambda x=x, a=angles: dense(x, a), m=m)
             self._record("lm_head", lambda x=x: lm_head(x), m=m)
 
     def quantize(self) -> None:
@@ -378,12 +380,12 @@ def profile(
     limit still leaves what it measured (meta ``complete: false``).
     """
     if isinstance(grid_name, str) and grid_name not in GRIDS:
-        raise ValueError(f"grid {grid_name!r} unknown; allowed: {', '.join(GRIDS)}")
+        raise ConfigError(f"grid {grid_name!r} unknown; allowed: {', '.join(GRIDS)}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     grid = GRIDS[grid_name] if isinstance(grid_name, str) else grid_name
     dtype = dtype or default_dtype_name(dev)
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} unknown; allowed: {', '.join(DTYPES)}")
+        raise ConfigError(f"dtype {dtype!r} unknown; allowed: {', '.join(DTYPES)}")
     rows: list[dict] = []
     with torch.inference_mode():
         for model in models:
