@@ -299,28 +299,19 @@ def write_report(result_dirs: list[Path], out_html: Path, validation: dict | Non
             f'<a href="#{anchor}">{html.escape(run.summary.get("scenario", run.name))} ({html.escape(run.name)})</a>'
         )
         sections.append(run_section(run, prefix, out_dir, anchor))
-    pairs = sim_real_pairs(runs)
-    if validation:  # the pair it compared, whatever produced the two runs
-        by_path = {r.path.resolve(): r for r in runs}
-        pair = (
-            by_path.get(Path(validation["sim"]["dir"]).resolve()),
-            by_path.get(Path(validation["real"]["dir"]).resolve()),
-        )
-        if (
-            pair[0] is not None
-            and pair[1] is not None
-            and all((a.path, b.path) != (pair[0].path, pair[1].path) for a, b in pairs)
-        ):
-            pairs.append(pair)
-    for j, (sim, real) in enumerate(pairs):
+    pairs = [(s.path.resolve(), r.path.resolve()) for s, r in sim_real_pairs(runs)]
+    # The pair pwsim validate compared, whatever produced the two runs.
+    checked = tuple(Path(validation[side]["dir"]).resolve() for side in ("sim", "real")) if validation else None
+    by_path = {r.path.resolve(): r for r in runs}
+    if checked and checked not in pairs and all(p in by_path for p in checked):
+        pairs.append(checked)
+    for j, (sim_path, real_path) in enumerate(pairs):
+        sim, real = by_path[sim_path], by_path[real_path]
         anchor = f"simreal{j}"
         nav.append(f'<a href="#{anchor}">simulated vs real: {html.escape(sim.summary.get("scenario", ""))}</a>')
         body = f'<h2 id="{anchor}">Simulated vs real: {html.escape(sim.summary.get("scenario", ""))}</h2>'
         body += sim_real_table(sim, real)
-        if validation and (Path(validation["sim"]["dir"]).resolve(), Path(validation["real"]["dir"]).resolve()) == (
-            sim.path.resolve(),
-            real.path.resolve(),
-        ):
+        if (sim_path, real_path) == checked:
             body += validation_section(validation)
         png = plots.sim_real_figure(sim, real, out_dir / f"simreal{j}_{sim.name}_{real.name}.png")
         if png is not None:

@@ -55,7 +55,7 @@ def run_scenario(
         wall0 = time.perf_counter()
         try:
             eng = SimEngine(
-                cfg, policy, trace, table, latency, routing_kind, seed=sc.seed, routing_alpha=sc.routing.alpha or 1.0
+                cfg, policy, trace, table, latency, routing_kind, seed=sc.seed, routing_alpha=sc.routing.zipf_alpha
             )
         except PolicyInfeasible as e:
             writer.add_error(policy, str(e))
