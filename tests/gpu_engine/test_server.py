@@ -144,7 +144,7 @@ def test_disconnect_frees_kv(server):
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{url}/v1/completions", json=dict(body, stream=False), headers=_headers(), timeout=1.5)
     # Both requests are aborted and their KV freed.
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 90  # generous: a loaded 2-core machine took over 30 s once
     while time.monotonic() < deadline:
         metrics = httpx.get(f"{url}/metrics").text
         kv = [line for line in metrics.splitlines() if line.startswith("pwgpu:pool_pages{") and 'owner="kv"' in line]
@@ -153,7 +153,7 @@ def test_disconnect_frees_kv(server):
             break
         time.sleep(0.2)
     else:
-        pytest.fail(f"KV not freed after a disconnect:\n{metrics}")
+        pytest.fail(f"KV not freed after a disconnect: kv {kv}, aborts {aborts}\n{metrics}")
     for name in ("pwgpu:num_requests_running", "pwgpu:kv_cache_usage_perc", "pwgpu:time_to_first_token_seconds_bucket",
                  "pwgpu:weight_bytes{", "pwgpu:precision_transitions_total{"):  # fmt: skip
         assert name in metrics
