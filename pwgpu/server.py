@@ -70,6 +70,18 @@ class ApiError(Exception):
         self.status, self.message, self.kind = status, message, kind
 
 
+def first_stop(text: str, delta: str, stops: list[str]) -> int | None:
+    """Where in ``text + delta`` the earliest stop string begins, or None. Only the tail that
+    ``delta`` can have completed a stop in is searched (``text`` held none), so streaming stays
+    linear in the output."""
+    if not stops or not delta:
+        return None
+    full = text + delta
+    start = max(len(text) - max(map(len, stops)) + 1, 0)
+    cuts = [i for s in stops if s and (i := full.find(s, start)) >= 0]
+    return min(cuts) if cuts else None
+
+
 def build_app(runner: EngineThread, tokenizer: Tokenizer | None, settings: ServerSettings):
     app = FastAPI(title="pwgpu")
     eng = runner.engine
@@ -180,9 +192,9 @@ def build_app(runner: EngineThread, tokenizer: Tokenizer | None, settings: Serve
                     raise ApiError(503, f"engine failed: {runner.error}", "server_error")
                 delta = decoder.push(new_ids)
                 reason = er.finish_reason if engine_done else None
-                hit = next((s for s in stops if s in text + delta), None)
-                if hit is not None:  # a stop string: cut the text before it and end the request
-                    delta = (text + delta)[: (text + delta).index(hit)][len(text) :]
+                cut = first_stop(text, delta, stops)
+                if cut is not None:  # a stop string: cut the text before it and end the request
+                    delta = (text + delta)[:cut][len(text) :]
                     reason = "stop"
                 text += delta
                 yield delta, new_ids, reason

@@ -38,3 +38,12 @@ def test_seed_reproduces_and_temperature_spreads():
 def test_invalid_params_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_first_stop_is_the_earliest_match_in_the_new_tail():
+    from pwgpu.server import first_stop
+
+    assert first_stop("x", "ab", ["b", "a"]) == 1  # the earliest, not the first listed
+    assert first_stop("hello wor", "ld!", ["world"]) == 6  # a stop that began in earlier text
+    assert first_stop("abc", "d", ["xyz"]) is None and first_stop("abc", "", ["c"]) is None
+    assert first_stop("abc", "d", []) is None and first_stop("", "q", [""]) is None
