@@ -34,6 +34,7 @@ from pagedweight.report_data import (
     signed_error_perc,
     sim_real_pairs,
 )
+from pagedweight.results import atomic_write_text
 
 BASELINE = "static-fp16"
 # The open rows of the summary table: what was served, how fast, at what memory and quality.
@@ -324,7 +325,5 @@ def write_report(result_dirs: list[Path], out_html: Path, validation: dict | Non
         f"<b>{BASELINE}</b> in the summary, then see why in the memory plot.</p>"
         f"<nav>{''.join(nav)}</nav>{''.join(sections)}</body></html>"
     )
-    tmp = out_html.with_name(f".{out_html.name}.tmp")
-    tmp.write_text(page)
-    tmp.replace(out_html)
+    atomic_write_text(out_html, page)
     return out_html

@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 from pagedweight.report import CSS, png_tag
 from pagedweight.report_data import KEY_METRICS, METRICS, fmt
 from pagedweight.report_plots import policy_colour, quality_scale, save_png
+from pagedweight.results import atomic_write_text
 
 _LINESTYLES = ("-", "--", ":", "-.")
 
@@ -129,7 +130,5 @@ def write_sweep_report(table: pd.DataFrame, meta: dict, out_html: Path) -> Path:
         + _table_html(table, grid_keys)
         + "</body></html>"
     )
-    tmp = out_html.with_name(f".{out_html.name}.tmp")
-    tmp.write_text(page)
-    tmp.replace(out_html)
+    atomic_write_text(out_html, page)
     return out_html

@@ -30,7 +30,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pagedweight.errors import ConfigError, PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
 from pagedweight.latency_config import AnalyticLatencyConfig, LatencyConfig, RoutingConfig
 from pagedweight.policy import POLICY_NAMES
-from pagedweight.spec import PRECISIONS, ModelSpec, get_precision, ladder, load_gpu, load_model
+from pagedweight.spec import PRECISION_ID, PRECISIONS, ModelSpec, get_precision, ladder, load_gpu, load_model
 from pagedweight.workload import WorkloadConfig
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -213,15 +213,13 @@ class LoadedScenario:
         return _min_budget(self.model, self.scenario.memory)
 
 
-def _pages(num_bytes: int, page_bytes: int) -> int:
-    return -(-num_bytes // page_bytes)
-
-
 def _min_budget(model: ModelSpec, mem: MemoryConfig) -> int:
-    lowest = get_precision(mem.precisions[-1])
-    expert_pages = sum(_pages(lowest.matrix_bytes(n, k), mem.page_bytes) for _, n, k in model.expert_matrices)
-    pages = _pages(model.pinned_bytes(), mem.page_bytes) + model.num_experts_total * expert_pages + 1
-    return pages * mem.page_bytes
+    from pagedweight.pagetable import expert_pages_by_id  # the page table's own count
+
+    lowest = PRECISION_ID[get_precision(mem.precisions[-1]).name]
+    expert_pages = int(expert_pages_by_id(model, mem.page_bytes)[lowest])
+    pinned_pages = -(-model.pinned_bytes() // mem.page_bytes)
+    return (pinned_pages + model.num_experts_total * expert_pages + 1) * mem.page_bytes
 
 
 def apply_overrides(raw: dict, overrides: list[str], source: str) -> dict:
