@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+from pydantic import ValidationError
 
-from pagedweight.errors import ConfigError
+from pagedweight.errors import ConfigError, format_validation_error
 from pagedweight.workload import SyntheticWorkload, parse_workload
 
 if TYPE_CHECKING:
@@ -48,53 +49,38 @@ class SynthPreset:
     description: str
 
 
+def _preset(arrival: dict, lengths: dict, description: str) -> SynthPreset:
+    """Ten minutes of ``arrival`` and ``lengths``, fitted to a 32,768-token context (Mixtral's)."""
+    workload = parse_workload({"kind": "synthetic", "arrival": arrival, "lengths": lengths, "duration_s": 600})
+    return SynthPreset(workload, max_context_tokens=32768, description=description)
+
+
 SYNTH_PRESETS: dict[str, SynthPreset] = {
-    "longctx": SynthPreset(
-        parse_workload(
-            {
-                "kind": "synthetic",
-                # Mooncake served 3.4 req/s on a cluster; 2 req/s of ~10k-token prompts is enough to
-                # fill an H200's KV space beside FP16 Mixtral-8x7B weights.
-                "arrival": {"kind": "poisson", "rate_qps": 2.0},
-                "lengths": {
-                    "kind": "lognormal",
-                    # Clipped so prompt + output fits Mixtral-8x7B's 32,768-token context.
-                    "prompt": {"median": 6909, "p90": 27367, "min": 891, "max": 30000},
-                    "output": {"median": 350, "p90": 597, "min": 1, "max": 2000},
-                },
-                "duration_s": 600,
-            }
-        ),
-        max_context_tokens=32768,
-        description="long prompts like Mooncake's conversation trace (FAST'25), Poisson 2 req/s, 10 min",
+    "longctx": _preset(
+        # Mooncake served 3.4 req/s on a cluster; 2 req/s of ~10k-token prompts is enough to
+        # fill an H200's KV space beside FP16 Mixtral-8x7B weights.
+        {"kind": "poisson", "rate_qps": 2.0},
+        {
+            "kind": "lognormal",
+            # Clipped so prompt + output fits Mixtral-8x7B's 32,768-token context.
+            "prompt": {"median": 6909, "p90": 27367, "min": 891, "max": 30000},
+            "output": {"median": 350, "p90": 597, "min": 1, "max": 2000},
+        },
+        "long prompts like Mooncake's conversation trace (FAST'25), Poisson 2 req/s, 10 min",
     ),
-    "chat": SynthPreset(
-        parse_workload(
-            {
-                "kind": "synthetic",
-                "arrival": {"kind": "gamma", "rate_qps": 5.53, "cv": 1.09},
-                "lengths": _AZURE_CONV_LENGTHS,
-                "duration_s": 600,
-            }
-        ),
-        max_context_tokens=32768,
-        description="Azure 2023 conversation-like (Splitwise, ISCA'24): Gamma 5.53 req/s, CV 1.09, 10 min",
+    "chat": _preset(
+        {"kind": "gamma", "rate_qps": 5.53, "cv": 1.09},
+        _AZURE_CONV_LENGTHS,
+        "Azure 2023 conversation-like (Splitwise, ISCA'24): Gamma 5.53 req/s, CV 1.09, 10 min",
     ),
-    "burst": SynthPreset(
-        parse_workload(
-            {
-                "kind": "synthetic",
-                # Same mean rate and lengths as chat: only the burstiness differs. A 10-minute sample
-                # underestimates a heavy-tailed CV (over 200 seeds, process CV 4.0 measured a median
-                # of 3.97, 10th percentile 3.74; CV 4.5 measured 4.44, 10th percentile 4.14), so the
-                # process uses 4.5 for the shipped file to measure >= 4.
-                "arrival": {"kind": "gamma", "rate_qps": 5.53, "cv": 4.5},
-                "lengths": _AZURE_CONV_LENGTHS,
-                "duration_s": 600,
-            }
-        ),
-        max_context_tokens=32768,
-        description="bursty (BurstGPT-style Gamma arrivals, CV 4.5) with Azure conversation lengths, 10 min",
+    # Same mean rate and lengths as chat: only the burstiness differs. A 10-minute sample
+    # underestimates a heavy-tailed CV (over 200 seeds, process CV 4.0 measured a median of
+    # 3.97, 10th percentile 3.74; CV 4.5 measured 4.44, 10th percentile 4.14), so the process
+    # uses 4.5 for the shipped file to measure >= 4.
+    "burst": _preset(
+        {"kind": "gamma", "rate_qps": 5.53, "cv": 4.5},
+        _AZURE_CONV_LENGTHS,
+        "bursty (BurstGPT-style Gamma arrivals, CV 4.5) with Azure conversation lengths, 10 min",
     ),
 }
 
@@ -121,6 +107,9 @@ def synthesize(
         data["arrival"]["rate_qps"] = rate_qps
     if cv is not None:
         data["arrival"] = {"kind": "gamma", "rate_qps": data["arrival"]["rate_qps"], "cv": cv}
-    workload = parse_workload(data)
+    try:
+        workload = parse_workload(data)
+    except ValidationError as e:  # an override out of range: name it, as a scenario error would
+        raise ConfigError(format_validation_error(e, "the overrides", SyntheticWorkload, data)) from None
     trace = build_workload(workload, ".", preset.max_context_tokens, np.random.default_rng(seed))
     return trace.with_changes(source=f"synth:{kind}:seed={seed}")

@@ -441,6 +441,8 @@ def test_synth_overrides_rate_and_cv():
     assert s["rate_qps"] == pytest.approx(10.0, rel=0.05) and s["iat_cv"] == pytest.approx(2.0, rel=0.06)
     with pytest.raises(ValueError, match="kind"):
         synthesize("nope", seed=0)
+    with pytest.raises(ValueError, match=r"arrival.rate_qps: Input should be greater than 0 \(got 0.0\)"):
+        synthesize("chat", seed=0, rate_qps=0.0)  # one line naming the field, not pydantic's dump
 
 
 @pytest.mark.parametrize("kind", sorted(SYNTH_PRESETS))

@@ -99,7 +99,7 @@ def _synth(args: argparse.Namespace) -> int:
             rate_qps=args.rate_qps,
             cv=args.cv,
         )
-    except ValueError as e:  # pydantic's ValidationError is a ValueError
+    except ValueError as e:  # ConfigError, or pydantic's ValidationError from build_workload
         raise TraceError(f"synth --kind {args.kind}: {e}") from None
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_jsonl(trace, args.out)
