@@ -33,17 +33,11 @@ def _count(values: torch.Tensor, num_bins: int) -> torch.Tensor:
     return torch.zeros(num_bins, dtype=torch.int64, device=values.device).scatter_add_(0, values.long(), ones)
 
 
-_EXPERT_CLASS: dict[tuple, torch.Tensor] = {}  # (precisions, device) -> [E + 1]; a host->device copy syncs
-
-
+@functools.lru_cache(maxsize=4096)  # one entry per precision map seen; a host->device copy syncs
 def _expert_class(precisions: tuple[str, ...], classes: tuple[str, ...], device: torch.device) -> torch.Tensor:
-    key = (precisions, str(device))
-    if key not in _EXPERT_CLASS:
-        if len(_EXPERT_CLASS) > 4096:  # one entry per precision map seen: keep it bounded
-            _EXPERT_CLASS.clear()
-        codes = [classes.index(p) for p in precisions] + [len(classes)]
-        _EXPERT_CLASS[key] = torch.tensor(codes, dtype=torch.int64, device=device)
-    return _EXPERT_CLASS[key]
+    """[E + 1] int64 on ``device``: each expert's class index, then the padding class."""
+    codes = [classes.index(p) for p in precisions] + [len(classes)]
+    return torch.tensor(codes, dtype=torch.int64, device=device)
 
 
 # The host-side work of a launch depends on a handful of small values that repeat every step:
