@@ -143,24 +143,28 @@ class RuntimeCore:
             if c.kind == DOWNGRADE:
                 self.backend.downgrade(t)
                 pt.commit(c.expert)
+                self._flipped(t)
                 self._log(t, "downgrade", t.num_bytes)
                 self._counters[0] += 1
                 self._counters[2] += t.num_bytes
             else:
                 self.backend.start_upgrade(t)
-        if changes:
-            self.quality_proxy = self._compute_quality()
 
     def complete_upgrade(self, t: Transition) -> bool:
         """The copy of ``t`` has landed: flip, unless it was aborted meanwhile."""
         if self.page_table.in_flight.get(t.expert) is not t:
             return False
         self.page_table.commit(t.expert)
+        self._flipped(t)
         self._log(t, "upgrade", t.num_bytes)
         self._counters[1] += 1
         self._counters[3] += t.num_bytes
-        self.quality_proxy = self._compute_quality()
         return True
+
+    def _flipped(self, t: Transition) -> None:
+        # One expert changed: update the quality proxy by its difference (a sum over every
+        # expert after each upgrade cost 8% of a 6,144-expert run).
+        self.quality_proxy += float(self._quality[t.expert, t.to_id] - self._quality[t.expert, t.from_id])
 
     def _log(self, t: Transition, kind: str, num_bytes: int) -> None:
         e = t.expert

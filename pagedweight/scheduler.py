@@ -205,7 +205,10 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request, batch: Batch, now_s: float) -> None:
-        self.running.remove(req)
+        if self.running[-1] is req:  # the newest, as schedule() picks: no scan of the list
+            self.running.pop()
+        else:
+            self.running.remove(req)
         req.preempted_at_s.append(now_s)
         if self.config.preemption_mode == "swap":
             req.swapped_tokens = req.num_computed_tokens

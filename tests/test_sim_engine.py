@@ -143,3 +143,24 @@ def test_kv_swap_moves_kv_over_pcie_and_records_it(tmp_path):
     kv_bytes_per_token = loaded.model.kv_bytes_per_token()
     assert steps["bytes_swapped"].sum() > 0 and steps["bytes_swapped"].sum() % kv_bytes_per_token == 0
     assert s["h2d_bytes"] == steps["bytes_swapped"].sum() // 2  # every swapped-out token comes back in
+
+
+def test_quality_proxy_kept_incrementally_equals_a_full_recount():
+    """The quality proxy is updated per flipped expert; after a run full of downgrades and
+    upgrades it still equals the sum over every expert's current precision."""
+    from pagedweight.runtime import core_config
+    from pagedweight.scenario import importance_table
+    from pagedweight.trace_build import build_workload
+    from pwsim.engine import SimEngine
+    from pwsim.latency import build_latency_model
+
+    sets = [*PRESSURE, "policies=[pagedweight]", "controller.min_dwell_s=0", "workload.lengths.output_tokens=200"]
+    loaded = load_scenario(FIXTURES / "scenarios" / "good.yaml", sets)
+    sc = loaded.scenario
+    trace = build_workload(sc.workload, loaded.base_dir, loaded.max_model_len, np.random.default_rng(0))
+    lat = build_latency_model(sc.latency, loaded.model, loaded.gpu)
+    eng = SimEngine(core_config(loaded), "pagedweight", trace, importance_table(loaded), lat, "uniform", seed=0)
+    eng.run()
+    kinds = {t[5] for t in eng.core.transitions}
+    assert {"downgrade", "upgrade"} <= kinds, kinds
+    assert eng.core.quality_proxy == pytest.approx(eng.core._compute_quality(), rel=1e-9, abs=1e-12)
