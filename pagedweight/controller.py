@@ -131,7 +131,11 @@ class Controller:
     # ---- accounting -------------------------------------------------------------------------
     def weight_pages(self) -> int:
         """Pages held by routed experts, including upgrades in flight (old and new pages)."""
-        return self.pool.num_weight_pages() + sum(len(t.pages) for t in self.page_table.in_flight.values())
+        return self.pool.num_weight_pages() + self._in_flight_pages()
+
+    def _in_flight_pages(self) -> int:
+        """New pages of the upgrades in flight."""
+        return sum(len(t.pages) for t in self.page_table.in_flight.values())
 
     def _available_weight_pages(self, extra_kv_pages: int, headroom_pages: int) -> int:
         pool = self.pool
@@ -147,29 +151,27 @@ class Controller:
         return pins
 
     def _plan(self, budget_pages: int) -> Plan | None:
-        """The plan for a weight budget, or None if even the floor does not fit."""
-        budget_bytes = budget_pages * self.pool.page_bytes
+        """The plan for a weight budget, or None if even the floor does not fit. Experts with an
+        upgrade in flight are pinned at its target."""
         in_flight = self.page_table.in_flight
-        if in_flight:
-            # Old pages of in-flight experts are still held: they come off the budget.
-            budget_bytes -= sum(len(self.page_table.pages[e]) for e in in_flight) * self.pool.page_bytes
-            problem = Problem.build(self.table, pinned=self._pins())
-        else:
-            problem = self._problem
+        if not in_flight:
+            return self._plan_without_in_flight(budget_pages)
+        # Old pages of in-flight experts are still held: they come off the budget.
+        budget_pages -= sum(len(self.page_table.pages[e]) for e in in_flight)
+        budget_bytes = budget_pages * self.pool.page_bytes
+        problem = Problem.build(self.table, pinned=self._pins())
         if budget_bytes < int(problem.min_bytes.sum()):
             return None
         if self.mode == "paper-greedy":
             return paper_greedy(problem, budget_bytes)
-        if in_flight:
-            return MarginalPlanner(problem).plan(budget_bytes)
-        return self._planner.plan(budget_bytes)
+        return MarginalPlanner(problem).plan(budget_bytes)
 
     # ---- the two entry points ---------------------------------------------------------------
     def on_pressure(self, blocks_short: int, now_s: float) -> list[Change]:
         """KV is ``blocks_short`` blocks short right now: free pages before anyone is preempted.
         Upgrades in flight are abandoned first (their new pages come back at once)."""
         need_pages = -(-blocks_short // self.kv.blocks_per_page)
-        in_flight_pages = sum(len(t.pages) for t in self.page_table.in_flight.values())
+        in_flight_pages = self._in_flight_pages()
         margin = int(self.settings.low_watermark * self.pool.num_pages) if self.mode == "pagedweight" else 0
         budget = self.pool.num_weight_pages() - max(0, need_pages - in_flight_pages)
         changes = self._shrink_to(budget - margin, fallback_pages=budget)
@@ -221,10 +223,9 @@ class Controller:
         plan = self._plan_without_in_flight(self.pool.num_weight_pages())
         if plan is None:
             return []
-        pt = self.page_table
-        rows = np.flatnonzero(pt.pages_by_id[plan.precision_ids] < pt.pages_by_id[pt.precision_ids])
-        freed = int((pt.pages_by_id[pt.precision_ids[rows]] - pt.pages_by_id[plan.precision_ids[rows]]).sum())
-        downs = [Change(DOWNGRADE, int(e), int(plan.precision_ids[e])) for e in rows]
+        pages_by_id, current = self.page_table.pages_by_id, self.page_table.precision_ids
+        downs = self._downgrades(plan)
+        freed = sum(int(pages_by_id[current[c.expert]] - pages_by_id[c.to_id]) for c in downs)
         return downs + self._upgrades_to(plan, now_s, budgeted=True, extra_free_pages=freed)
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -244,8 +245,13 @@ class Controller:
             plan = self._plan_without_in_flight(fallback_pages)
         if plan is None:
             plan = self._plan_without_in_flight(-(-int(self._problem.min_bytes.sum()) // self.pool.page_bytes))
-        shrinking = np.flatnonzero(pt.pages_by_id[plan.precision_ids] < pt.pages_by_id[pt.precision_ids])
-        return changes + [Change(DOWNGRADE, int(e), int(plan.precision_ids[e])) for e in shrinking]
+        return changes + self._downgrades(plan)
+
+    def _downgrades(self, plan: Plan) -> list[Change]:
+        """The experts whose pages shrink under ``plan``, each moved to its planned precision."""
+        pt = self.page_table
+        rows = np.flatnonzero(pt.pages_by_id[plan.precision_ids] < pt.pages_by_id[pt.precision_ids])
+        return [Change(DOWNGRADE, int(e), int(plan.precision_ids[e])) for e in rows]
 
     def _plan_without_in_flight(self, budget_pages: int) -> Plan | None:
         budget_bytes = budget_pages * self.pool.page_bytes
