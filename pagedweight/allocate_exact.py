@@ -19,7 +19,6 @@ import numpy as np
 
 from pagedweight.allocate import Plan, Problem, make_plan
 
-MIB = 2**20
 _banner_shown = False
 
 

@@ -123,7 +123,6 @@ LatencyConfig = Annotated[
         custom_error_message="kind must be one of: analytic, table, constant",
     ),
 ]
-LATENCY_KINDS: tuple[str, ...] = ("analytic", "table", "constant")
 
 
 RoutingKind = Literal["importance", "uniform", "zipf"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
@@ -35,7 +35,8 @@ from pagedweight.errors import ConfigError
 # Standard normal quantile at 0.9: a lognormal's p90 is exp(mu + Z90 * sigma).
 Z90 = 1.2815515655446004
 
-TRACE_FORMATS = ("azure", "mooncake", "burstgpt", "sharegpt", "generic")
+TraceFormat = Literal["azure", "mooncake", "burstgpt", "sharegpt", "generic"]
+TRACE_FORMATS: tuple[str, ...] = get_args(TraceFormat)
 
 
 class _Frozen(BaseModel):
@@ -192,7 +193,7 @@ class TraceWorkload(_Frozen):
 
     kind: Literal["trace"]
     path: str = Field(min_length=1)
-    format: Literal["azure", "mooncake", "burstgpt", "sharegpt", "generic"]
+    format: TraceFormat
     columns: TraceColumns | None = None
     # Unit of numeric timestamps; default ms for mooncake, s for burstgpt and generic.
     time_unit: Literal["s", "ms"] | None = None

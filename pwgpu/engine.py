@@ -116,7 +116,6 @@ class Engine:
         self._by_req: dict[int, EngineRequest] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._next_id = 0
-        self.num_steps = 0
 
     def now(self) -> float:
         """Seconds since the engine started: the clock of every request and step record."""
@@ -208,7 +207,6 @@ class Engine:
         end_s = self.now()
         sched.finish_step(batch, end_s)
         core.record_step(start_s, end_s - start_s, batch, shape)
-        self.num_steps += 1
         for er, tok in sampled:
             done = er.req.state == FINISHED
             if done:

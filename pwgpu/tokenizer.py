@@ -28,9 +28,6 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
-    def token_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
 
 def chat_prompt(messages: list[dict]) -> str:
     lines = [f"{m['role']}: {m['content']}\n" for m in messages]

@@ -67,7 +67,7 @@ class WeightStore:
         self._dirty: set[int] = set()
         self._copies: list[tuple[Transition, object]] = []  # upgrades in flight: (transition, event or None)
         self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._dense: dict[int, tuple] = {}  # CPU: expert -> (its pages array, dtype, dense w1, w3, w2)
+        self._dense: dict[int, tuple] = {}  # CPU: expert -> (its pages array, (dense w1, w3, w2))
         self.h2d_bytes = 0
         self.pinned_outside_bytes = 0
 
@@ -170,9 +170,9 @@ class WeightStore:
             hit = self._dense.get(idx)
             if hit is None or hit[0] is not pt.pages[idx]:
                 ws = tuple(experts.dequantize_matrix(e, j, CPU_DENSE_DTYPE) for j in range(3))
-                hit = self._dense[idx] = (pt.pages[idx], CPU_DENSE_DTYPE, ws)
+                hit = self._dense[idx] = (pt.pages[idx], ws)
             for j in range(3):
-                mats[j][e] = hit[2][j]
+                mats[j][e] = hit[1][j]
         return moe_ffn_dense_ref(x, topk_ids, topk_w, *mats)
 
     # ---- writing experts ------------------------------------------------------------------

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedweight.spec import PRECISION_ID
 from pwgpu.kernels.layout import matrix_layout
 from pwgpu.kernels.reference import dequantize_ref, gather_pages_ref, quantize_ref
 
@@ -34,9 +33,6 @@ class PagedExperts:
     def matrix_shape(self, j: int) -> tuple[int, int]:
         """(N, K) of matrix j: w1 and w3 are [F, H], w2 is [H, F]."""
         return (self.ffn_size, self.hidden_size) if j < 2 else (self.hidden_size, self.ffn_size)
-
-    def precision_ids(self) -> np.ndarray:
-        return np.array([PRECISION_ID[p] for p in self.precisions], dtype=np.int8)
 
     def check(self) -> None:
         """Every matrix's pages are listed, 16-byte aligned and inside the pool (host-side, syncs:

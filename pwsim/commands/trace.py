@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from pagedweight.errors import TraceError
+from pagedweight.workload import TRACE_FORMATS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     subs = p.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
     s = subs.add_parser("stats", help="print the statistics of a trace file")
     s.add_argument("file", type=Path)
-    s.add_argument("--format", choices=["azure", "mooncake", "burstgpt", "sharegpt", "generic"])
+    s.add_argument("--format", choices=TRACE_FORMATS)
     s.add_argument(
         "--columns", metavar="ARRIVAL,PROMPT,OUTPUT", help="generic format: the three column names, comma-separated"
     )
