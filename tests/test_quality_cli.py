@@ -91,3 +91,17 @@ def test_experiments_script_quick(table_path, tmp_path):
              "exp1_quality_vs_memory.png")  # fmt: skip
     for name in names:
         assert (out / name).is_file(), name
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--dloss", "oracle"], "--dloss oracle needs --oracle"),
+        (["--oracle", "--oracle-experts", "a:b"], "LAYER:EXPERT"),
+    ],
+)
+def test_conflicting_flags_are_refused_before_calibration(flags, words, tmp_path):
+    cmd = [sys.executable, "-m", "pwgpu.cli", "importance", "--model", str(ROOT / "models" / "tiny-moe"),
+           "--data", str(ROOT / "data" / "calib" / "code.txt"), "--out", str(tmp_path / "t.csv"), *flags]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and words in done.stderr and "calibrated" not in done.stdout, done.stderr

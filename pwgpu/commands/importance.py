@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from pagedweight.errors import ConfigError
+
 # Copies of pwgpu.importance's constants: that module imports torch, which the CLI must not load
 # before a command runs (a test checks the two agree).
 TABLE_LADDER = ("bf16", "fp8", "int8", "int4", "int3", "int2")
@@ -41,6 +43,8 @@ def _experts(spec: str | None) -> list[tuple[int, int]] | None:
     out = []
     for item in spec.split(","):
         layer, _, expert = item.partition(":")
+        if not (layer.strip().isdigit() and expert.strip().isdigit()):
+            raise ConfigError(f"--oracle-experts {spec!r}: {item!r} is not LAYER:EXPERT (e.g. 0:3,1:7)")
         out.append((int(layer), int(expert)))
     return out
 
@@ -55,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
     from pwgpu.evaluate import MoeForward, QualityError, load_tokens
     from pwgpu.importance import build_table, calibrate, oracle_kl, write_details
 
+    # Flags that conflict are refused before minutes of calibration, not after.
+    if args.dloss == "oracle" and not args.oracle:
+        raise QualityError("--dloss oracle needs --oracle")
+    experts = _experts(args.oracle_experts)
     torch.set_num_threads(args.threads)
     start = time.monotonic()
     model = MoeForward(args.model)
@@ -62,11 +70,9 @@ def run(args: argparse.Namespace) -> int:
     ladder_names = tuple(s.strip() for s in args.ladder.split(",") if s.strip())
     est = calibrate(model, data, args.tokens, args.window, ladder_names, args.min_expert_tokens, progress=print)
     print(f"calibrated on {est.tokens:,} tokens in {time.monotonic() - start:.0f} s")
-    if args.dloss == "oracle" and not args.oracle:
-        raise QualityError("--dloss oracle needs --oracle")
     if args.oracle:
         t0 = time.monotonic()
-        oracle_kl(model, est, data, args.oracle_tokens, experts=_experts(args.oracle_experts), progress=print)
+        oracle_kl(model, est, data, args.oracle_tokens, experts=experts, progress=print)
         print(f"oracle measured in {time.monotonic() - t0:.0f} s")
     name = args.name or Path(args.model).resolve().name
     source = f"pwgpu importance --model {args.model} --data {' '.join(args.data)}"
