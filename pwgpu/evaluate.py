@@ -267,8 +267,11 @@ def read_plan(path: str | Path, num_layers: int, num_experts: int) -> np.ndarray
     if not rows or not {"layer", "expert", "precision"} <= set(rows[0]):
         raise QualityError(f"{path}: expected columns layer,expert,precision (as `pwsim allocate --out` writes)")
     plan = np.full((num_layers, num_experts), None, dtype=object)
-    for r in rows:
-        layer, e = int(r["layer"]), int(r["expert"])
+    for line, r in enumerate(rows, 2):
+        try:
+            layer, e = int(r["layer"]), int(r["expert"])
+        except (TypeError, ValueError):
+            raise QualityError(f"{path}: row {line}: layer and expert must be integers (got {r})") from None
         if not (0 <= layer < num_layers and 0 <= e < num_experts):
             raise QualityError(f"{path}: layer {layer} expert {e} is outside the model's {num_layers} x {num_experts}")
         plan[layer, e] = r["precision"]

@@ -47,13 +47,23 @@ def read_arch(model_dir: str | Path) -> MoeArch:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{model_dir}: no config.json (expected a Hugging Face checkpoint directory)")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
     family = cfg.get("model_type")
     if family not in FAMILIES:
         raise CheckpointError(f"{path}: model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
     rope = cfg.get("rope_parameters") or {}
     if (rope.get("rope_type") or "default") != "default" or cfg.get("rope_scaling"):
         raise CheckpointError(f"{path}: only plain RoPE is supported (got {rope or cfg.get('rope_scaling')})")
+    ffn_key = "intermediate_size" if family in ("mixtral", "olmoe") else "moe_intermediate_size"
+    required = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "num_experts_per_tok", ffn_key)
+    missing = [k for k in required if k not in cfg]
+    if missing:
+        raise CheckpointError(f"{path}: missing keys {missing}; a {family} config needs {', '.join(required)}")
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     num_layers = cfg["num_hidden_layers"]
     dense_layers = 0
@@ -81,7 +91,7 @@ def read_arch(model_dir: str | Path) -> MoeArch:
         head_dim=_get(cfg, "head_dim", default=hidden // heads),
         num_experts=_get(cfg, "num_local_experts", "num_experts"),
         top_k=cfg["num_experts_per_tok"],
-        expert_ffn_size=cfg["intermediate_size"] if family in ("mixtral", "olmoe") else cfg["moe_intermediate_size"],
+        expert_ffn_size=cfg[ffn_key],
         router_renorm=True if family == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
         qkv_bias=family == "qwen2_moe" and cfg.get("qkv_bias", True),
         qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(family, "none"),

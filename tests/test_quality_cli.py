@@ -105,3 +105,12 @@ def test_conflicting_flags_are_refused_before_calibration(flags, words, tmp_path
            "--data", str(ROOT / "data" / "calib" / "code.txt"), "--out", str(tmp_path / "t.csv"), *flags]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and words in done.stderr and "calibrated" not in done.stdout, done.stderr
+
+
+def test_a_plan_with_a_non_integer_layer_is_one_clear_error(tmp_path):
+    from pwgpu.evaluate import QualityError, read_plan
+
+    plan = tmp_path / "plan.csv"
+    plan.write_text("layer,expert,precision\n0,0,bf16\nx,1,int4\n")
+    with pytest.raises(QualityError, match=r"plan.csv: row 3: layer and expert must be integers"):
+        read_plan(plan, 1, 2)

@@ -1,6 +1,7 @@
 """Our MoE transformer against ``transformers`` on tiny random checkpoints of each family."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -132,3 +133,16 @@ def test_config_keys_of_transformers_4_and_pickle_refused(checkpoints, tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(CheckpointError, match="pickle checkpoints are not loaded"):
         load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [("{nope", "not valid JSON"), ("[1, 2]", "expected a JSON object"),
+     ('{"model_type": "mixtral", "hidden_size": 8}', "missing keys ['num_attention_heads'")],
+)  # fmt: skip
+def test_malformed_config_is_a_checkpoint_error(tmp_path, text, words):
+    from pwgpu.loader import read_arch
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=re.escape(words)):
+        read_arch(tmp_path)
