@@ -9,7 +9,7 @@ of small budget changes (2 MiB .. 512 MiB, a page to a few experts; p50/p90/p99)
 ones (+-10% of the budget; p50). Percentiles above p90 move with the machine's load (printed).
 ``exact`` runs under a time limit; where it does not prove optimality the gap is an upper bound
 (its incumbent) and the LP gap bounds the truth from the other side. Tables are SYNTHETIC
-(``pagedweight.importance.synthetic_table``), so the quality columns compare methods on a
+(``pagedweight.policy.importance.synthetic_table``), so the quality columns compare methods on a
 plausible skew, not on a real model's measured losses.
 """
 
@@ -23,11 +23,11 @@ import time
 
 import numpy as np
 
-from pagedweight.allocate import ALLOCATORS, Problem
-from pagedweight.allocate_exact import solve_exact
-from pagedweight.allocate_hull import MarginalPlanner
-from pagedweight.importance import synthetic_table
-from pagedweight.spec import load_model
+from pagedweight.core.spec import load_model
+from pagedweight.policy.allocate import ALLOCATORS, Problem
+from pagedweight.policy.exact import solve_exact
+from pagedweight.policy.hull import MarginalPlanner
+from pagedweight.policy.importance import synthetic_table
 
 MiB = 2**20
 CASES = (

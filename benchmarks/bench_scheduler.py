@@ -9,8 +9,8 @@ simulator's speed: an hour of a busy trace is ~150,000 steps.
 
 import pytest
 
-from pagedweight.pool import KvBlockAllocator, PagePool
-from pagedweight.scheduler import Request, Scheduler, SchedulerConfig
+from pagedweight.core.pool import KvBlockAllocator, PagePool
+from pagedweight.core.scheduler import Request, Scheduler, SchedulerConfig
 
 MiB = 2**20
 

@@ -50,7 +50,7 @@ stage() {  # stage NAME BUDGET_S COMMAND...
 
 # The validation engine serves a random Mixtral-shaped checkpoint (11 GB, written once): build it
 # on the host CPUs while the GPU stages run.
-python3 -c "from pagedweight.scenario import load_scenario; from pwgpu.default_model import random_model_dir; \
+python3 -c "from pagedweight.config.scenario import load_scenario; from pwgpu.default_model import random_model_dir; \
 print(random_model_dir(load_scenario('scenarios/gpu_validate.yaml', require_latency_table=False).model))" \
   > "$OUT/random_model.log" 2>&1 &
 RANDOM_MODEL_PID=$!

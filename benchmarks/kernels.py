@@ -60,7 +60,7 @@ def main(argv=None) -> int:
             "benchmarks/kernels.py: no CUDA GPU here; run it on a GPU, or pass --smoke for a CPU check", file=sys.stderr
         )
         return 2
-    from pagedweight.spec import load_model
+    from pagedweight.core.spec import load_model
     from pwgpu.kernels.moe_gemm import fused_moe
     from pwgpu.kernels.paging import PagedExperts
     from pwgpu.profile import time_us
@@ -143,7 +143,7 @@ def tune(args, torch, bench, device, gpu: str) -> int:
     """Time every candidate config per (model shape, precision, bucket); keep the fastest."""
     import json
 
-    from pagedweight.spec import load_model
+    from pagedweight.core.spec import load_model
     from pwgpu.kernels.block_config import BlockConfig, device_key, m_bucket
     from pwgpu.kernels.moe_gemm import fused_moe
     from pwgpu.kernels.paging import PagedExperts
@@ -189,7 +189,7 @@ def tune(args, torch, bench, device, gpu: str) -> int:
 
 
 def paged_matrix_bytes(precision: str, n: int, k: int) -> int:
-    from pagedweight.spec import get_precision
+    from pagedweight.core.spec import get_precision
 
     return get_precision(precision).matrix_bytes(n, k)
 

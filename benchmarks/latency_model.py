@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pagedweight.kernel_table import write_kernel_table
-from pagedweight.latency_config import AnalyticLatencyConfig, ConstantLatencyConfig, TableLatencyConfig
-from pagedweight.spec import PRECISION_ID, load_gpu, load_model
-from pagedweight.step import StepShape
+from pagedweight.config.kernel_table import write_kernel_table
+from pagedweight.config.latency import AnalyticLatencyConfig, ConstantLatencyConfig, TableLatencyConfig
+from pagedweight.core.spec import PRECISION_ID, load_gpu, load_model
+from pagedweight.core.step import StepShape
 from pwsim.latency import build_latency_model
 from pwsim.roofline import AnalyticLatencyModel
 from pwsim.routing import RoutingSampler

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedweight.metrics import Slo
-from pagedweight.results import policy_summary
-from pagedweight.runtime import core_config
-from pagedweight.scenario import importance_table, load_scenario
-from pagedweight.traces import RequestTrace, load_azure
+from pagedweight.config.scenario import importance_table, load_scenario
+from pagedweight.core.runtime import core_config
+from pagedweight.results.metrics import Slo
+from pagedweight.results.writer import policy_summary
+from pagedweight.workload.traces import RequestTrace, load_azure
 from pwsim.engine import SimEngine
 from pwsim.latency import build_latency_model
 

@@ -14,6 +14,7 @@ COMMANDS: dict[str, str] = {
     "train": "pwgpu.commands.train",
     "importance": "pwgpu.commands.importance",
     "eval": "pwgpu.commands.eval",
+    "experiments": "pwgpu.commands.experiments",
 }
 
 main = build_main(

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from pagedweight.controller import ControllerSettings
+from pagedweight.core.runtime import CoreConfig, RuntimeCore
+from pagedweight.core.scheduler import FINISHED, REJECTED, Request, SchedulerConfig
 from pagedweight.errors import ConfigError, PagedWeightError
-from pagedweight.importance import ImportanceTable, on_ladder, read_table, synthetic_table
-from pagedweight.metrics import Slo
-from pagedweight.results import ResultsWriter, policy_summary
-from pagedweight.runtime import CoreConfig, RuntimeCore
-from pagedweight.scheduler import FINISHED, REJECTED, Request, SchedulerConfig
+from pagedweight.policy.controller import ControllerSettings
+from pagedweight.policy.importance import ImportanceTable, on_ladder, read_table, synthetic_table
+from pagedweight.results.metrics import Slo
+from pagedweight.results.writer import ResultsWriter, policy_summary
 from pwgpu.attention import PagedKvCache, build_batch
 from pwgpu.loader import DTYPES, default_dtype_name, expert_masters, load_checkpoint, pinned_weights
 from pwgpu.model import MoeTransformer
@@ -265,7 +265,7 @@ class Engine:
 
     # ---- results ----------------------------------------------------------------------------
     def write_results(self, out_dir: str | Path, scenario: str = "serve", trace: dict | None = None) -> dict:
-        """The results directory ``pagedweight.report`` reads (runtime ``pwgpu``)."""
+        """The results directory ``pagedweight.results.report`` reads (runtime ``pwgpu``)."""
         reqs = self.records
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         writer = ResultsWriter(

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from pagedweight.spec import PRECISION_NAMES
+from pagedweight.core.spec import PRECISION_NAMES
 from pwgpu.engine import Engine, EngineRequest
 from pwgpu.sampling import SamplingParams
 

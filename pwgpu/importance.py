@@ -5,7 +5,7 @@ Definitions (per routed expert i of MoE layer l; N calibration tokens in all; ``
 expert's output vector for token x before the gate weight ``a_i(x)`` multiplies it):
 
 - ``routing_freq = n_i / N``, ``routing_weight_mass = sum_x a_i(x) / N`` (as in
-  ``pagedweight/importance.py``).
+  ``pagedweight/policy/importance.py``).
 - ``g(x) = dL/dy_i(x)`` where L is the summed next-token loss of x's calibration window: the
   loss y_i(x) really changes (its own position and the later ones it reaches through attention).
   A per-token-loss gradient would need one backward pass per token.
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedweight.importance import ImportanceTable
-from pagedweight.spec import get_precision, ladder
+from pagedweight.core.spec import get_precision, ladder
+from pagedweight.policy.importance import ImportanceTable
 from pwgpu.evaluate import MASTER, MoeForward, QualityError, swiglu, windows
 
 TABLE_LADDER = ("bf16", "fp8", "int8", "int4", "int3", "int2")

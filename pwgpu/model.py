@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F_
 
-from pagedweight.spec import ModelSpec
+from pagedweight.core.spec import ModelSpec
 from pwgpu.attention import AttentionBatch, PagedKvCache, paged_attention
 
 

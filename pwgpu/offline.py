@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 
 from pagedweight.errors import PagedWeightError
-from pagedweight.metrics import Slo
-from pagedweight.policy import PolicyInfeasible
-from pagedweight.results import ResultsWriter, policy_summary
-from pagedweight.trace_build import truncate_to_context
-from pagedweight.traces import RequestTrace
+from pagedweight.policy.policies import PolicyInfeasible
+from pagedweight.results.metrics import Slo
+from pagedweight.results.writer import ResultsWriter, policy_summary
+from pagedweight.workload.build import truncate_to_context
+from pagedweight.workload.traces import RequestTrace
 from pwgpu.engine import Engine, EngineConfig, EngineRequest
 from pwgpu.sampling import SamplingParams
 
@@ -86,7 +86,7 @@ def run_policies(
         writer.add_error(policy, message)
     meta = writer.write()
     if report:
-        from pagedweight.report import write_report
+        from pagedweight.results.report import write_report
 
         write_report([writer.out_dir], writer.out_dir / "report.html")
     return meta

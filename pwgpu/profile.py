@@ -1,4 +1,4 @@
-"""Measure the latency table ``pwsim`` reads (schema: ``pagedweight.kernel_table``).
+"""Measure the latency table ``pwsim`` reads (schema: ``pagedweight.config.kernel_table``).
 
 Every op is timed on the device the engine would run it on: on a GPU the Triton MoE kernel and
 quantiser, on a CPU the PyTorch references (the CPU engine's path). Each op's keys are measured
@@ -19,9 +19,9 @@ import pandas as pd
 import torch
 import torch.nn.functional as F_
 
+from pagedweight.config.kernel_table import KEY_COLUMNS
+from pagedweight.core.spec import PRECISION_NAMES, ModelSpec
 from pagedweight.errors import ConfigError
-from pagedweight.kernel_table import KEY_COLUMNS
-from pagedweight.spec import PRECISION_NAMES, ModelSpec
 from pwgpu.attention import PagedKvCache, build_batch, paged_attention
 from pwgpu.kernels.paging import PagedExperts
 from pwgpu.loader import DTYPES, default_dtype_name

@@ -4,7 +4,7 @@ completion of ``prompt_tokens`` token ids with ``max_tokens = output_tokens`` an
 ``ignore_eos``; TTFT is the first streamed chunk after sending, ITL the gaps between chunks
 (one chunk per token), E2EL the last chunk.
 
-Writes a results directory ``pagedweight.report`` reads (``requests.csv``, ``summary.json``,
+Writes a results directory ``pagedweight.results.report`` reads (``requests.csv``, ``summary.json``,
 ``report.html``): the same request table and summary names as the runtimes, measured at the
 client.
 """
@@ -20,17 +20,24 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from pagedweight.core.scheduler import FINISHED, REJECTED, Request
 from pagedweight.errors import ConfigError
-from pagedweight.metrics import Slo, request_rows, summarize
-from pagedweight.results import atomic_write_csv, atomic_write_text
-from pagedweight.scheduler import FINISHED, REJECTED, Request
-from pagedweight.trace_build import scale_rate, truncate_to_context
-from pagedweight.traces import RequestTrace, detect_format, load_azure, load_burstgpt, load_generic, load_mooncake
+from pagedweight.results.metrics import Slo, request_rows, summarize
+from pagedweight.results.writer import atomic_write_csv, atomic_write_text
+from pagedweight.workload.build import scale_rate, truncate_to_context
+from pagedweight.workload.traces import (
+    RequestTrace,
+    detect_format,
+    load_azure,
+    load_burstgpt,
+    load_generic,
+    load_mooncake,
+)
 
 
 def load_trace(path: str | Path, arrival: str = "arrival_s", prompt: str = "prompt_tokens",
                output: str = "output_tokens", time_unit: str = "s") -> RequestTrace:  # fmt: skip
-    """A trace in any format ``pagedweight.traces`` reads; generic files name their columns."""
+    """A trace in any format ``pagedweight.workload.traces`` reads; generic files name their columns."""
     fmt = detect_format(path)
     if fmt == "azure":
         return load_azure(path)
@@ -141,7 +148,7 @@ def replay(trace_path: str | Path, url: str, out_dir: str | Path, rate_scale: fl
     atomic_write_csv(df, out / "requests.csv")
     atomic_write_text(out / "summary.json", json.dumps(meta, indent=2) + "\n")
     if report:
-        from pagedweight.report import write_report
+        from pagedweight.results.report import write_report
 
         write_report([out], out / "report.html")
     return meta

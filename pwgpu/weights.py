@@ -27,10 +27,10 @@ from dataclasses import fields
 import numpy as np
 import torch
 
+from pagedweight.core.pagetable import Transition
+from pagedweight.core.pool import OWNER_PINNED
+from pagedweight.core.spec import PRECISION_NAMES, PRECISIONS
 from pagedweight.errors import ConfigError
-from pagedweight.pagetable import Transition
-from pagedweight.pool import OWNER_PINNED
-from pagedweight.spec import PRECISION_NAMES, PRECISIONS
 from pwgpu.kernels.paging import PagedExperts
 from pwgpu.model import PinnedWeights
 

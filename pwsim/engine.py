@@ -12,7 +12,7 @@ step that starts at t, so a step sees every request that has arrived and every e
 copy has landed by its start. Both are scheduled URGENT; the engine's step timeouts are NORMAL,
 and SimPy orders equal times by priority, then by scheduling order.
 
-Pool, page table, scheduler and controller are ``pagedweight.runtime.RuntimeCore``, the same
+Pool, page table, scheduler and controller are ``pagedweight.core.runtime.RuntimeCore``, the same
 object ``pwgpu`` drives; only the arithmetic is replaced by the latency model.
 """
 
@@ -25,12 +25,12 @@ import simpy
 from simpy.core import URGENT
 from simpy.events import Event
 
+from pagedweight.core.pagetable import Transition
+from pagedweight.core.runtime import CoreConfig, RuntimeCore
+from pagedweight.core.scheduler import Request
 from pagedweight.errors import PagedWeightError
-from pagedweight.importance import ImportanceTable
-from pagedweight.pagetable import Transition
-from pagedweight.runtime import CoreConfig, RuntimeCore
-from pagedweight.scheduler import Request
-from pagedweight.traces import RequestTrace
+from pagedweight.policy.importance import ImportanceTable
+from pagedweight.workload.traces import RequestTrace
 from pwsim.routing import RoutingSampler
 
 

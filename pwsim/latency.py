@@ -1,7 +1,7 @@
 """Latency models: how long an engine step, a downgrade and a host-to-device copy take.
 
 ``build_latency_model(cfg, model, gpu, base_dir)`` turns the scenario's ``latency:`` section
-(``pagedweight.latency_config``) into one of three models, chosen through ``LATENCY_BUILDERS``:
+(``pagedweight.config.latency``) into one of three models, chosen through ``LATENCY_BUILDERS``:
 
 - ``analytic`` (``pwsim.roofline``): roofline from the ``GpuSpec``; the default.
 - ``table`` (``pwsim.table_latency``): measured kernel tables, linear interpolation, analytic
@@ -22,14 +22,14 @@ from typing import Protocol
 
 import numpy as np
 
-from pagedweight.latency_config import (
+from pagedweight.config.latency import (
     AnalyticLatencyConfig,
     ConstantLatencyConfig,
     LatencyConfig,
     TableLatencyConfig,
 )
-from pagedweight.spec import GpuSpec, ModelSpec
-from pagedweight.step import StepShape
+from pagedweight.core.spec import GpuSpec, ModelSpec
+from pagedweight.core.step import StepShape
 from pwsim.roofline import AnalyticLatencyModel
 from pwsim.table_latency import TableLatencyModel
 

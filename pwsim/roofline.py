@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedweight.latency_config import AnalyticLatencyConfig
-from pagedweight.spec import PRECISION_NAMES, PRECISIONS, GpuSpec, ModelSpec
-from pagedweight.step import StepShape
+from pagedweight.config.latency import AnalyticLatencyConfig
+from pagedweight.core.spec import PRECISION_NAMES, PRECISIONS, GpuSpec, ModelSpec
+from pagedweight.core.step import StepShape
 
 
 def roofline_s(num_bytes, flops, bw_bytes_per_s: float, flops_per_s: float):

@@ -45,8 +45,8 @@ import math
 
 import numpy as np
 
+from pagedweight.core.spec import ModelSpec
 from pagedweight.errors import ConfigError
-from pagedweight.spec import ModelSpec
 
 # Exact systematic sampling up to this many points (T * L * k) per call: 6 us for Mixtral at
 # T = 1 (64 points), 17 us at T = 8 (512), 13 us for Qwen3-30B-A3B at T = 1 (384) on one core.

@@ -1,5 +1,5 @@
 """Run a scenario in the simulator: every policy over the same requests, then the results
-directory (``pagedweight.results``) and the report.
+directory (``pagedweight.results.writer``) and the report.
 
 Every policy replays the same trace with the same seed, so differences come from the policy.
 """
@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from pagedweight.metrics import Slo
-from pagedweight.policy import PolicyInfeasible
-from pagedweight.results import ResultsWriter, policy_summary
-from pagedweight.runtime import core_config
-from pagedweight.scenario import LoadedScenario, importance_table
-from pagedweight.trace_build import build_workload
+from pagedweight.config.scenario import LoadedScenario, importance_table
+from pagedweight.core.runtime import core_config
+from pagedweight.policy.policies import PolicyInfeasible
+from pagedweight.results.metrics import Slo
+from pagedweight.results.writer import ResultsWriter, policy_summary
+from pagedweight.workload.build import build_workload
 from pwsim.engine import SimEngine
 from pwsim.latency import build_latency_model
 
@@ -71,7 +71,7 @@ def run_scenario(
         writer.meta["out_of_grid"] = dict(out_of_grid)
     meta = writer.write(yaml.safe_dump(sc.model_dump(mode="json"), sort_keys=False))
     if report:
-        from pagedweight.report import write_report
+        from pagedweight.results.report import write_report
 
         write_report([writer.out_dir], writer.out_dir / "report.html")
     return meta

@@ -39,10 +39,10 @@ from typing import Any
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pagedweight.config.scenario import load_scenario
 from pagedweight.errors import ConfigError, PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
-from pagedweight.report_data import METRIC_KEYS, policy_metrics, read_summary
-from pagedweight.results import atomic_write_csv, atomic_write_text
-from pagedweight.scenario import load_scenario
+from pagedweight.results.report_data import METRIC_KEYS, policy_metrics, read_summary
+from pagedweight.results.writer import atomic_write_csv, atomic_write_text
 
 EXECUTORS = ("local", "ray")
 _KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -268,7 +268,7 @@ def run_sweep(
         "cells": [{"name": c.name, "params": c.params} for c in sweep.cells],
     }
     atomic_write_text(out_dir / "sweep.json", json.dumps(meta, indent=2) + "\n")
-    from pagedweight.report_sweep import write_sweep_report
+    from pagedweight.results.report_sweep import write_sweep_report
 
     write_sweep_report(table, meta, out_dir / "report.html")
     return {"ran": ran, "skipped": skipped, "table": table}

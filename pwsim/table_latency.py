@@ -1,4 +1,4 @@
-"""The table latency model: measured kernel times from ``pwgpu profile`` (``pagedweight.kernel_table``).
+"""The table latency model: measured kernel times from ``pwgpu profile`` (``pagedweight.config.kernel_table``).
 
 At build time each op's long-format rows (per precision for ``moe_ffn`` and ``quantize``)
 become a rectilinear grid; cells the profiler skipped are filled by interpolation along each
@@ -34,11 +34,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from pagedweight.config.kernel_table import read_kernel_table
+from pagedweight.config.latency import TableLatencyConfig
+from pagedweight.core.spec import PRECISION_ID, PRECISION_NAMES, GpuSpec, ModelSpec
+from pagedweight.core.step import StepShape
 from pagedweight.errors import SpecError
-from pagedweight.kernel_table import read_kernel_table
-from pagedweight.latency_config import TableLatencyConfig
-from pagedweight.spec import PRECISION_ID, PRECISION_NAMES, GpuSpec, ModelSpec
-from pagedweight.step import StepShape
 from pwsim.roofline import AnalyticLatencyModel
 
 # (first key, second key or None) of each op in the table.

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedweight.allocate import ALLOCATORS, Problem, allocate, quality
-from pagedweight.allocate_exact import kept_options, solve_exact
-from pagedweight.allocate_hull import MarginalPlanner, lower_hulls
+from pagedweight.core.spec import PRECISION_ID, PRECISION_NAMES, load_model
 from pagedweight.errors import AllocationError
-from pagedweight.importance import ImportanceTable, synthetic_table
-from pagedweight.spec import PRECISION_ID, PRECISION_NAMES, load_model
+from pagedweight.policy.allocate import ALLOCATORS, Problem, allocate, quality
+from pagedweight.policy.exact import kept_options, solve_exact
+from pagedweight.policy.hull import MarginalPlanner, lower_hulls
+from pagedweight.policy.importance import ImportanceTable, synthetic_table
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LADDER_POOL = ("bf16", "fp8", "int8", "int4", "int3", "int2")  # most precise first

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from pagedweight.allocate import allocate
-from pagedweight.importance import read_table
+from pagedweight.policy.allocate import allocate
+from pagedweight.policy.importance import read_table
 from pwsim.cli import main
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pagedweight.report_data import KEY_METRICS
+from pagedweight.results.report_data import KEY_METRICS
 from pwsim.cli import main
 
 SCENARIO = """\

@@ -6,12 +6,12 @@ pages really are in flight while KV demand moves."""
 import numpy as np
 import pytest
 
-from pagedweight.controller import ControllerSettings
-from pagedweight.importance import synthetic_table
-from pagedweight.pool import OWNER_KV, OWNER_PINNED, OWNER_TRANSITION
-from pagedweight.runtime import CoreConfig, RuntimeCore
-from pagedweight.scheduler import Request, SchedulerConfig
-from pagedweight.spec import PRECISION_ID, load_model
+from pagedweight.core.pool import OWNER_KV, OWNER_PINNED, OWNER_TRANSITION
+from pagedweight.core.runtime import CoreConfig, RuntimeCore
+from pagedweight.core.scheduler import Request, SchedulerConfig
+from pagedweight.core.spec import PRECISION_ID, load_model
+from pagedweight.policy.controller import ControllerSettings
+from pagedweight.policy.importance import synthetic_table
 
 MODEL = load_model("tiny-moe")
 PAGE = 16 * 1024  # small pages: the tiny model's INT4 matrix is 67 KB

@@ -68,7 +68,7 @@ def test_engine_gets_the_simulators_synthetic_table(tmp_path):
     the simulator builds (same provenance, same initial precision of every expert)."""
     import yaml
 
-    from pagedweight.scenario import load_scenario
+    from pagedweight.config.scenario import load_scenario
     from pwsim.run import run_scenario
 
     src = yaml.safe_load((ROOT / "scenarios" / "cpu_validate.yaml").read_text())

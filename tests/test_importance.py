@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedweight.allocate import Problem, allocate
-from pagedweight.allocate_hull import MarginalPlanner
+from pagedweight.core.spec import load_model
 from pagedweight.errors import ImportanceError
-from pagedweight.importance import QUANT_NOISE, RoutingTracker, read_table, synthetic_table, write_table
-from pagedweight.spec import load_model
+from pagedweight.policy.allocate import Problem, allocate
+from pagedweight.policy.hull import MarginalPlanner
+from pagedweight.policy.importance import QUANT_NOISE, RoutingTracker, read_table, synthetic_table, write_table
 
 FIELDS = ("routing_freq", "routing_weight_mass", "importance", "dloss", "bytes")
 
@@ -236,7 +236,7 @@ def test_tracker_rescaled_plan_is_what_the_planner_uses(tiny):
 
 def test_on_ladder_keeps_exactly_the_named_precisions():
     from pagedweight.errors import ImportanceError
-    from pagedweight.importance import on_ladder
+    from pagedweight.policy.importance import on_ladder
 
     table = synthetic_table(load_model("tiny-moe"), ("bf16", "int8", "int4", "int2"), seed=0)
     sub = on_ladder(table, ("bf16", "int4"))

@@ -10,17 +10,17 @@ import pandas as pd
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 
-from pagedweight.errors import SpecError
-from pagedweight.kernel_table import write_kernel_table
-from pagedweight.latency_config import (
+from pagedweight.config.kernel_table import write_kernel_table
+from pagedweight.config.latency import (
     AnalyticLatencyConfig,
     ConstantLatencyConfig,
     LatencyConfig,
     RoutingConfig,
     TableLatencyConfig,
 )
-from pagedweight.spec import PRECISION_ID, load_gpu, load_model
-from pagedweight.step import StepShape
+from pagedweight.core.spec import PRECISION_ID, load_gpu, load_model
+from pagedweight.core.step import StepShape
+from pagedweight.errors import SpecError
 from pwsim.latency import build_latency_model
 
 MIXTRAL = load_model("mixtral-8x7b")
@@ -398,7 +398,7 @@ def test_monotone_fit_removes_dips_and_keeps_ordered_grids():
 
 def test_table_monotone_switch(tmp_path):
     """A table whose moe_ffn dips at one point: fitted by default, raw with monotone: false."""
-    from pagedweight.kernel_table import read_kernel_table
+    from pagedweight.config.kernel_table import read_kernel_table
 
     df, meta = read_kernel_table(tmp_path / _table(tmp_path))
     row = (df["op"] == "moe_ffn") & (df["precision"] == "bf16") & (df["e"] == 8) & (df["m"] == M_GRID[1])

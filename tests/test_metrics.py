@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from pagedweight.metrics import REQUEST_COLUMNS, Slo, StepRecorder, request_rows, summarize
-from pagedweight.pool import OWNER_KV, KvBlockAllocator, PagePool, weight_owner
-from pagedweight.scheduler import FINISHED, REJECTED, Request
+from pagedweight.core.pool import OWNER_KV, KvBlockAllocator, PagePool, weight_owner
+from pagedweight.core.scheduler import FINISHED, REJECTED, Request
+from pagedweight.results.metrics import REQUEST_COLUMNS, Slo, StepRecorder, request_rows, summarize
 
 
 def finished(rid, arrival, token_times, prompt=10):

@@ -5,8 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedweight.errors import PoolError, PoolExhausted
-from pagedweight.pool import (
+from pagedweight.core.pool import (
     OWNER_FREE,
     OWNER_KV,
     OWNER_PINNED,
@@ -16,7 +15,8 @@ from pagedweight.pool import (
     owner_name,
     weight_owner,
 )
-from pagedweight.spec import PRECISION_ID
+from pagedweight.core.spec import PRECISION_ID
+from pagedweight.errors import PoolError, PoolExhausted
 
 
 def test_pages_are_cut_from_the_budget():

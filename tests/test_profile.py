@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedweight.kernel_table import COLUMNS, read_kernel_table
-from pagedweight.spec import load_model
+from pagedweight.config.kernel_table import COLUMNS, read_kernel_table
+from pagedweight.core.spec import load_model
 
 pytest.importorskip("torch")
 
@@ -92,7 +92,7 @@ def test_a_table_fitted_to_a_scenario_times_all_of_it(tmp_path):
     """`pwgpu profile --scenario`: the simulator then never leaves the measured grid."""
     import yaml
 
-    from pagedweight.scenario import load_scenario
+    from pagedweight.config.scenario import load_scenario
     from pwsim.run import run_scenario
 
     root = Path(__file__).resolve().parent.parent

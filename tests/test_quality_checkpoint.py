@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pagedweight.spec import load_model  # noqa: E402
+from pagedweight.core.spec import load_model  # noqa: E402
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-moe"
 

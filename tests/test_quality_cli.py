@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from pagedweight.importance import read_table  # noqa: E402
+from pagedweight.policy.importance import read_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "models" / "tiny-moe")
@@ -84,7 +84,7 @@ def test_allocate_then_eval(table_path, tmp_path):
 def test_experiments_script_quick(table_path, tmp_path):
     out = tmp_path / "rep"
     small = ["--max-eval-tokens", "128", "--fractions", "0.3,0.6", "--calib-tokens", "128"]
-    _run(str(ROOT / "reports" / "quality" / "run_experiments.py"), "--model", MODEL, "--table", str(table_path),
+    _run("-m", "pwgpu.cli", "experiments", "--model", MODEL, "--table", str(table_path),
          "--details", str(table_path.parent / "details.csv"), "--eval", *EVAL, "--calib", *CALIB,
          "--out", str(out), *small)  # fmt: skip
     names = ("exp1_quality_vs_memory.csv", "exp3_rank_correlation.csv", "exp4_drift.csv", "summary.json",

@@ -16,10 +16,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pagedweight.pagetable import expert_pages_by_id
-from pagedweight.report import write_report
-from pagedweight.report_data import load_run, precision_timeline, signed_error_perc, sim_real_pairs
-from pagedweight.spec import PRECISION_ID, load_model
+from pagedweight.core.pagetable import expert_pages_by_id
+from pagedweight.core.spec import PRECISION_ID, load_model
+from pagedweight.results.report import write_report
+from pagedweight.results.report_data import load_run, precision_timeline, signed_error_perc, sim_real_pairs
 from pwsim.cli import main
 
 # tiny-moe under KV pressure: 1500-token prompts at 40 req/s in 34 MiB make pagedweight

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedweight.spec import load_model
+from pagedweight.core.spec import load_model
 from pwsim.routing import RoutingSampler, waterfill_top_k
 
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "tiny-moe")

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedweight.pool import OWNER_PINNED, KvBlockAllocator, PagePool
-from pagedweight.scheduler import FINISHED, REJECTED, RUNNING, WAITING, Request, Scheduler, SchedulerConfig
+from pagedweight.core.pool import OWNER_PINNED, KvBlockAllocator, PagePool
+from pagedweight.core.scheduler import FINISHED, REJECTED, RUNNING, WAITING, Request, Scheduler, SchedulerConfig
 
 PAGE = 1024
 STEPS: list[int] = []

@@ -9,7 +9,7 @@ import pytest
 import simpy
 import yaml
 
-from pagedweight.scenario import load_scenario
+from pagedweight.config.scenario import load_scenario
 from pwsim.engine import UrgentTimeout
 from pwsim.run import run_scenario
 
@@ -77,9 +77,9 @@ def test_a_request_arriving_as_a_step_ends_joins_the_next_step(tmp_path):
         workload={"kind": "synthetic", "arrival": {"kind": "poisson", "rate_qps": 1.0},
                   "lengths": {"kind": "fixed", "prompt_tokens": 10, "output_tokens": 3}, "num_requests": 2},
     )  # fmt: skip
-    from pagedweight.runtime import core_config
-    from pagedweight.scenario import importance_table
-    from pagedweight.traces import RequestTrace
+    from pagedweight.config.scenario import importance_table
+    from pagedweight.core.runtime import core_config
+    from pagedweight.workload.traces import RequestTrace
     from pwsim.engine import SimEngine
     from pwsim.latency import build_latency_model
 
@@ -148,9 +148,9 @@ def test_kv_swap_moves_kv_over_pcie_and_records_it(tmp_path):
 def test_quality_proxy_kept_incrementally_equals_a_full_recount():
     """The quality proxy is updated per flipped expert; after a run full of downgrades and
     upgrades it still equals the sum over every expert's current precision."""
-    from pagedweight.runtime import core_config
-    from pagedweight.scenario import importance_table
-    from pagedweight.trace_build import build_workload
+    from pagedweight.config.scenario import importance_table
+    from pagedweight.core.runtime import core_config
+    from pagedweight.workload.build import build_workload
     from pwsim.engine import SimEngine
     from pwsim.latency import build_latency_model
 

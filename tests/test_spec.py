@@ -2,8 +2,7 @@
 
 import pytest
 
-from pagedweight.errors import SpecError
-from pagedweight.spec import (
+from pagedweight.core.spec import (
     PRECISION_ID,
     PRECISION_NAMES,
     PRECISIONS,
@@ -14,6 +13,7 @@ from pagedweight.spec import (
     load_gpu,
     load_model,
 )
+from pagedweight.errors import SpecError
 
 # Parameter counts published with each checkpoint (billions).
 PUBLISHED_PARAMS_B = {

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pwsim.run
-from pagedweight.report_sweep import pareto_front
+from pagedweight.results.report_sweep import pareto_front
 from pwsim.cli import main
 from pwsim.sweep import SweepError, cell_for, load_sweep, run_sweep
 

@@ -11,10 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedweight.arrivals import gamma_arrivals, generate_arrivals, piecewise_arrivals, poisson_arrivals
+from pagedweight.config.workload import RateSegment, parse_workload
 from pagedweight.errors import TraceError
-from pagedweight.trace_build import build_workload, scale_rate, spread_buckets, truncate_to_context, window
-from pagedweight.traces import (
+from pagedweight.workload.arrivals import gamma_arrivals, generate_arrivals, piecewise_arrivals, poisson_arrivals
+from pagedweight.workload.build import build_workload, scale_rate, spread_buckets, truncate_to_context, window
+from pagedweight.workload.stats import arrival_stats, trace_stats
+from pagedweight.workload.synth import SYNTH_PRESETS, synthesize
+from pagedweight.workload.traces import (
     RequestTrace,
     detect_format,
     load_azure,
@@ -24,10 +27,7 @@ from pagedweight.traces import (
     load_mooncake,
     write_jsonl,
 )
-from pagedweight.workload import RateSegment, parse_workload
 from pwsim.cli import main
-from pwsim.synth import SYNTH_PRESETS, synthesize
-from pwsim.trace_stats import arrival_stats, trace_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "traces"

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from pagedweight.config.scenario import load_scenario
 from pagedweight.errors import PagedWeightError
-from pagedweight.scenario import load_scenario
-from pagedweight.validation import compare, signed_error_perc
+from pagedweight.results.validation import compare, signed_error_perc
 from pwsim.cli import main
 from pwsim.run import run_scenario
 
@@ -43,7 +43,7 @@ def test_identical_runs_have_zero_error(two_runs):
 def test_step_time_by_shape_buckets_and_errors():
     import pandas as pd
 
-    from pagedweight.validation import step_time_by_shape
+    from pagedweight.results.validation import step_time_by_shape
 
     def steps(rows):
         return pd.DataFrame(

@@ -9,8 +9,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pagedweight.errors import format_validation_error
-from pagedweight.workload import (
+from pagedweight.config.workload import (
     Z90,
     FileLengths,
     GammaArrival,
@@ -22,6 +21,7 @@ from pagedweight.workload import (
     WorkloadConfig,
     parse_workload,
 )
+from pagedweight.errors import format_validation_error
 
 _FIXED = {"kind": "fixed", "prompt_tokens": 100, "output_tokens": 10}
 

@@ -1,6 +1,6 @@
 """Measure the importance table of a checkpoint: routing, gradient score, Fisher dloss per precision, oracle.
 
-Writes the table format of pagedweight/importance.py (read by `pwsim allocate` and the controller).
+Writes the table format of pagedweight/policy/importance.py (read by `pwsim allocate` and the controller).
 --oracle also measures the KL with only one expert quantised (expensive: one forward pass per
 expert and precision; --oracle-experts limits it to a subset). --details writes every estimator
 per expert, including the oracle, for comparing them.
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from pagedweight.importance import write_table
+    from pagedweight.policy.importance import write_table
     from pwgpu.evaluate import MoeForward, QualityError, load_tokens
     from pwgpu.importance import build_table, calibrate, oracle_kl, write_details
 

@@ -2,7 +2,7 @@
 
 Times the MoE expert FFN per precision over tokens-per-expert x active experts, attention
 prefill and decode, the dense per-layer ops, the LM head, quantisation and host-to-device
-copies, and writes the long CSV of pagedweight/kernel_table.py plus its .meta.yaml. On a
+copies, and writes the long CSV of pagedweight/config/kernel_table.py plus its .meta.yaml. On a
 machine without a GPU it times the CPU engine's PyTorch path (use --scenario or --grid small).
 """
 
@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from pagedweight.spec import PRECISION_NAMES, get_precision, load_model
+from pagedweight.core.spec import PRECISION_NAMES, get_precision, load_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedweight.kernel_table import write_kernel_table
+    from pagedweight.config.kernel_table import write_kernel_table
     from pwgpu.loader import SCENARIO_DTYPE
     from pwgpu.profile import profile
 
@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
 def _fitted_grid(path: str):
     import numpy as np
 
-    from pagedweight.scenario import load_scenario
-    from pagedweight.trace_build import build_workload
+    from pagedweight.config.scenario import load_scenario
+    from pagedweight.workload.build import build_workload
     from pwgpu.profile import Grid
 
     loaded = load_scenario(path, require_latency_table=False)

@@ -12,7 +12,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from pagedweight.policy import POLICY_NAMES
+from pagedweight.policy.policies import POLICY_NAMES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,10 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagedweight.config.scenario import parse_bytes
+    from pagedweight.core.spec import load_model
     from pagedweight.errors import PagedWeightError
-    from pagedweight.scenario import parse_bytes
-    from pagedweight.spec import load_model
-    from pagedweight.trace_build import scale_rate, take
+    from pagedweight.workload.build import scale_rate, take
     from pwgpu.default_model import default_model_dir, random_model_dir
     from pwgpu.engine import EngineConfig
     from pwgpu.offline import run_policies
@@ -82,11 +82,11 @@ def _run_scenario(args: argparse.Namespace) -> int:
     """The engine configured exactly as ``pwsim`` configures its RuntimeCore for the scenario."""
     import numpy as np
 
+    from pagedweight.config.scenario import importance_path, importance_table, load_scenario
+    from pagedweight.core.runtime import core_config
     from pagedweight.errors import PagedWeightError
-    from pagedweight.importance import write_table
-    from pagedweight.runtime import core_config
-    from pagedweight.scenario import importance_path, importance_table, load_scenario
-    from pagedweight.trace_build import build_workload
+    from pagedweight.policy.importance import write_table
+    from pagedweight.workload.build import build_workload
     from pwgpu.default_model import default_model_dir, random_model_dir
 
     if args.trace or args.mem_budget or args.like or args.importance:

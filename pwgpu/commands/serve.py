@@ -11,7 +11,7 @@ import argparse
 import os
 import signal
 
-from pagedweight.policy import POLICY_NAMES
+from pagedweight.policy.policies import POLICY_NAMES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace):
     """(engine thread, FastAPI app) from parsed arguments."""
-    from pagedweight.scenario import parse_bytes
+    from pagedweight.config.scenario import parse_bytes
     from pwgpu.default_model import default_model_dir
     from pwgpu.engine import Engine, EngineConfig
     from pwgpu.engine_thread import EngineThread

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from pagedweight.spec import get_precision
+from pagedweight.core.spec import get_precision
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)

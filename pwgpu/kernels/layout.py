@@ -34,7 +34,7 @@ Matrix (e, j)'s logical byte ``L`` lives at
 ``pool[page_offsets[first_page[e, j] + L // page_bytes] + L % page_bytes]``: its pages are
 listed consecutively in ``page_offsets`` but may lie anywhere in ``pool``, in any order.
 ``page_bytes`` is a power of two and every page offset a multiple of 16 (vector loads).
-This matches ``pagedweight.pagetable.ExpertPageTable``: each matrix starts on a fresh page,
+This matches ``pagedweight.core.pagetable.ExpertPageTable``: each matrix starts on a fresh page,
 ``page_offsets = pages * page_bytes`` with the expert's pages in matrix order. A precision
 change rewrites the expert's row of ``first_page`` (and ``precision_ids``): a table edit.
 """
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedweight.spec import Precision, get_precision
+from pagedweight.core.spec import Precision, get_precision
 
 # Format codes the kernels specialise on (tl.constexpr), one per storage family.
 FMT_FP16, FMT_BF16, FMT_FP8, FMT_INT_SYM, FMT_INT_ASYM = 0, 1, 2, 3, 4

@@ -12,17 +12,19 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedweight.allocate import ALLOCATORS, Plan, allocate
+from pagedweight.core.spec import DEFAULT_LADDER, load_model
 from pagedweight.errors import AllocationError
-from pagedweight.importance import ImportanceTable, read_table, synthetic_table
-from pagedweight.spec import DEFAULT_LADDER, load_model
+from pagedweight.policy.allocate import ALLOCATORS, Plan, allocate
+from pagedweight.policy.importance import ImportanceTable, read_table, synthetic_table
 
 GiB = 2**30
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--importance", metavar="TABLE.csv", help="importance table (see pagedweight/importance.py)")
+    src.add_argument(
+        "--importance", metavar="TABLE.csv", help="importance table (see pagedweight/policy/importance.py)"
+    )
     src.add_argument(
         "--synthetic-model", metavar="MODEL", help="plan a synthetic table for a built-in model (marked SYNTHETIC)"
     )

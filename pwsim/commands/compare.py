@@ -11,7 +11,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedweight.report_data import compare_table, format_compare
+    from pagedweight.results.report_data import compare_table, format_compare
 
     table = compare_table(args.dirs)
     print(table.to_csv(index=False).rstrip() if args.csv else format_compare(table))

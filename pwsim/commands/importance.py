@@ -7,8 +7,8 @@ import argparse
 
 import numpy as np
 
-from pagedweight.importance import read_table, synthetic_table, write_table
-from pagedweight.spec import DEFAULT_LADDER, load_model
+from pagedweight.core.spec import DEFAULT_LADDER, load_model
+from pagedweight.policy.importance import read_table, synthetic_table, write_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

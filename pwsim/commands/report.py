@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedweight.report import write_report
+    from pagedweight.results.report import write_report
 
     dirs = [Path(d) for d in args.dirs]
     out = Path(args.out) if args.out else (dirs[0] / "report.html" if len(dirs) == 1 else Path("report.html"))

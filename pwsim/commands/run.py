@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pagedweight.config.scenario import load_scenario
 from pagedweight.errors import ScenarioError
-from pagedweight.policy import POLICY_NAMES
-from pagedweight.scenario import load_scenario
+from pagedweight.policy.policies import POLICY_NAMES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedweight.spec import PRECISIONS, list_gpus, list_models, load_gpu, load_model
+from pagedweight.core.spec import PRECISIONS, list_gpus, list_models, load_gpu, load_model
 
 GiB = 2**30
 

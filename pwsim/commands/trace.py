@@ -5,7 +5,7 @@ token mean/median/p90/p99/max/min (the definitions of the shared traces' PROVENA
 format is detected from the header unless --format says otherwise.
 
 `synth` writes Mooncake-format JSONL (timestamp in ms, input_length, output_length) from a preset
-fitted to published statistics (see pwsim/synth.py), then prints the statistics of what it wrote.
+fitted to published statistics (see pagedweight/workload/synth.py), then prints the statistics of what it wrote.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import argparse
 import json
 from pathlib import Path
 
+from pagedweight.config.workload import TRACE_FORMATS
 from pagedweight.errors import TraceError
-from pagedweight.workload import TRACE_FORMATS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pwsim.synth import SYNTH_PRESETS
+    from pagedweight.workload.synth import SYNTH_PRESETS
 
     subs = p.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
     s = subs.add_parser("stats", help="print the statistics of a trace file")
@@ -49,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    import pagedweight.traces as tr
-    from pwsim.trace_stats import format_stats, length_stats, trace_stats
+    import pagedweight.workload.traces as tr
+    from pagedweight.workload.stats import format_stats, length_stats, trace_stats
 
     fmt = args.format or tr.detect_format(args.file)
     unit = args.time_unit or ("ms" if fmt == "mooncake" else "s")
@@ -87,9 +87,9 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from pagedweight.traces import load_mooncake, write_jsonl
-    from pwsim.synth import synthesize
-    from pwsim.trace_stats import format_stats, trace_stats
+    from pagedweight.workload.stats import format_stats, trace_stats
+    from pagedweight.workload.synth import synthesize
+    from pagedweight.workload.traces import load_mooncake, write_jsonl
 
     try:
         trace = synthesize(

@@ -56,9 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedweight.policy import POLICY_NAMES
-    from pagedweight.results import atomic_write_text
-    from pagedweight.validation import compare, format_validation
+    from pagedweight.policy.policies import POLICY_NAMES
+    from pagedweight.results.validation import compare, format_validation
+    from pagedweight.results.writer import atomic_write_text
 
     unknown = [p for p in args.policy or [] if p not in POLICY_NAMES]
     if unknown:  # before minutes of profiling and real runs
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else sim_dir / "validation.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(v, indent=2, default=float) + "\n")
-    from pagedweight.report import write_report
+    from pagedweight.results.report import write_report
 
     page = write_report([sim_dir, real_dir], out.with_name("validation_report.html"), validation=v)
     if calibration:
@@ -107,14 +107,14 @@ def _calibrate_policies(args: argparse.Namespace, ran: list[str]) -> list[str]:
 
 
 def _check_calibrate_policies(args: argparse.Namespace) -> None:
-    from pagedweight.scenario import load_scenario
+    from pagedweight.config.scenario import load_scenario
 
     sc = load_scenario(args.scenario, require_latency_table=False).scenario
     _calibrate_policies(args, args.policy or list(sc.policies))
 
 
 def _run_both(args: argparse.Namespace) -> tuple[Path, Path]:
-    from pagedweight.scenario import load_scenario
+    from pagedweight.config.scenario import load_scenario
     from pwsim.run import run_scenario
 
     loaded = load_scenario(args.scenario, require_latency_table=not args.profile)
@@ -157,8 +157,8 @@ def _calibrate(args: argparse.Namespace, real_dir: Path, sim_dir: Path) -> tuple
     calibration record and the calibrated run's directory."""
     import pandas as pd
 
-    from pagedweight.scenario import load_scenario
-    from pagedweight.validation import compare, step_overhead_key, step_time_gap_s
+    from pagedweight.config.scenario import load_scenario
+    from pagedweight.results.validation import compare, step_overhead_key, step_time_gap_s
     from pwsim.run import run_scenario
 
     loaded = load_scenario(args.scenario, args.overrides)

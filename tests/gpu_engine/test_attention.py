@@ -30,7 +30,7 @@ def make_cache(device, num_layers, kv_heads, head_dim, block_tokens, dtype, num_
 def test_triton_decode_matches_reference(device, heads, kv_heads, head_dim, block_tokens, ctx_lens):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from pwgpu.attention_triton import paged_decode_triton
+    from pwgpu.kernels.attention import paged_decode_triton
 
     torch.manual_seed(0)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16

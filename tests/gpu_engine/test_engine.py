@@ -7,10 +7,10 @@ import pandas as pd
 import pytest
 import torch
 
-from pagedweight.controller import DOWNGRADE, Change, ControllerSettings
-from pagedweight.pool import OWNER_KV
-from pagedweight.scheduler import FINISHED, REJECTED
-from pagedweight.spec import PRECISION_ID
+from pagedweight.core.pool import OWNER_KV
+from pagedweight.core.scheduler import FINISHED, REJECTED
+from pagedweight.core.spec import PRECISION_ID
+from pagedweight.policy.controller import DOWNGRADE, Change, ControllerSettings
 from pwgpu.attention import build_batch
 from pwgpu.default_model import write_random_mixtral
 from pwgpu.engine import Engine, EngineConfig

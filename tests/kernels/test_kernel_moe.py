@@ -10,7 +10,7 @@ test_kernel_quant.py).
 import pytest
 import torch
 
-from pagedweight.spec import PRECISIONS
+from pagedweight.core.spec import PRECISIONS
 from pwgpu.kernels import moe_gemm
 from pwgpu.kernels.block_config import BlockConfig, get_config
 from pwgpu.kernels.moe_gemm import align_tokens, fused_moe

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedweight.spec import PRECISIONS, load_model
+from pagedweight.core.spec import PRECISIONS, load_model
 from pwgpu.kernels import quant, reference
 from pwgpu.kernels.layout import check_kernel_shape, matrix_layout
 from pwgpu.kernels.tile_io import fp8e4m3_decode, fp8e4m3_encode

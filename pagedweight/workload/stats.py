@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedweight.traces import RequestTrace
+from pagedweight.workload.traces import RequestTrace
 
 COUNT_WINDOWS_S = (1.0, 3.0, 60.0)
 

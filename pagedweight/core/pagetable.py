@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedweight.core.pool import OWNER_TRANSITION, PagePool, weight_owner
+from pagedweight.core.spec import PRECISION_NAMES, PRECISIONS, ModelSpec
 from pagedweight.errors import PoolError
-from pagedweight.pool import OWNER_TRANSITION, PagePool, weight_owner
-from pagedweight.spec import PRECISION_NAMES, PRECISIONS, ModelSpec
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """Reports from results directories: one self-contained ``report.html`` and the PNGs beside it.
 
-Works only from the result tables (``pagedweight.results``), never from a runtime's internals,
+Works only from the result tables (``pagedweight.results.writer``), never from a runtime's internals,
 so the same code reads a simulated and a real run. Per results directory the report holds:
 
 1. a headline and the summary table: every metric per policy with its change against
@@ -23,8 +23,8 @@ import html
 import math
 from pathlib import Path
 
-from pagedweight import report_plots as plots
-from pagedweight.report_data import (
+from pagedweight.results import report_plots as plots
+from pagedweight.results.report_data import (
     KEY_METRICS,
     METRICS,
     PRECISION_ORDER,
@@ -34,7 +34,7 @@ from pagedweight.report_data import (
     signed_error_perc,
     sim_real_pairs,
 )
-from pagedweight.results import atomic_write_text
+from pagedweight.results.writer import atomic_write_text
 
 BASELINE = "static-fp16"
 # The open rows of the summary table: what was served, how fast, at what memory and quality.

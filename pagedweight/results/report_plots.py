@@ -16,8 +16,14 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from pagedweight.report_data import PRECISION_ORDER, RunResults, bin_sum, precision_timeline, sample_steps
-from pagedweight.spec import PRECISIONS
+from pagedweight.core.spec import PRECISIONS
+from pagedweight.results.report_data import (
+    PRECISION_ORDER,
+    RunResults,
+    bin_sum,
+    precision_timeline,
+    sample_steps,
+)
 
 POLICY_COLOURS = {
     "static-fp16": "#444444",

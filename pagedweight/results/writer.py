@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pagedweight.metrics import Slo, request_rows, summarize
-from pagedweight.runtime import TRANSITION_COLUMNS, RuntimeCore
-from pagedweight.scheduler import Request
-from pagedweight.spec import PRECISION_NAMES
+from pagedweight.core.runtime import TRANSITION_COLUMNS, RuntimeCore
+from pagedweight.core.scheduler import Request
+from pagedweight.core.spec import PRECISION_NAMES
+from pagedweight.results.metrics import Slo, request_rows, summarize
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedweight.allocate import Problem
-from pagedweight.allocate_hull import MarginalPlanner
+from pagedweight.core.spec import PRECISION_ID
 from pagedweight.errors import PagedWeightError
-from pagedweight.importance import ImportanceTable
-from pagedweight.spec import PRECISION_ID
+from pagedweight.policy.allocate import Problem
+from pagedweight.policy.hull import MarginalPlanner
+from pagedweight.policy.importance import ImportanceTable
 
 POLICY_NAMES: tuple[str, ...] = (
     "static-fp16",

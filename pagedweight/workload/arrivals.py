@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pagedweight.config.workload import ArrivalConfig, GammaArrival, PiecewiseArrival, PoissonArrival, RateSegment
 from pagedweight.errors import ConfigError
-from pagedweight.workload import ArrivalConfig, GammaArrival, PiecewiseArrival, PoissonArrival, RateSegment
 
 
 def poisson_arrivals(

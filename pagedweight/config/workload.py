@@ -2,7 +2,7 @@
 
 Pure schema (pydantic v2, frozen, unknown keys rejected). Every pluggable part is chosen by
 ``kind:``; the simulator turns a validated ``WorkloadConfig`` into a request trace
-(``pagedweight.trace_build.build_workload``). Relative paths are resolved by the caller against the
+(``pagedweight.workload.build.build_workload``). Relative paths are resolved by the caller against the
 directory of the scenario file (``resolved_path(base_dir)``), never against the working directory.
 
     workload:

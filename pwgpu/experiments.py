@@ -1,4 +1,4 @@
-"""Regenerate the quality experiments of this folder (see README.md for the commands and run times).
+"""The quality experiments behind ``reports/quality/`` (its README gives the commands and run times).
 
 1. quality at equal weight memory: every allocator at several budgets, KL per domain;
 2. the headline: lowest expert memory whose perplexity stays within --ppl-tolerance of full
@@ -86,7 +86,7 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def exp_quality_vs_memory(model, table, ref, fractions, methods, log) -> list[dict]:
-    from pagedweight.allocate import allocate
+    from pagedweight.policy.allocate import allocate
 
     full = int(table.bytes[:, 0].sum())
     rows = []
@@ -119,7 +119,7 @@ def exp_headline(model, table, ref, exp1_rows, thresholds, log) -> dict:
     it): the smallest budget ``marginal`` meets it (bisection to 1% of the bf16 bytes; assumes more
     budget never hurts, which the table's losses make likely but not certain), the smallest exp-1
     grid fraction each method meets it at, and every uniform precision; gains from exp 1."""
-    from pagedweight.allocate import allocate
+    from pagedweight.policy.allocate import allocate
     from pwgpu.evaluate import uniform_plan
 
     full = int(table.bytes[:, 0].sum())
@@ -281,8 +281,8 @@ def exp_drift(model, calib, served, fraction, half_life, calib_tokens, window, l
     """For each (calibration domain -> served domain): plans from the wrong table, the wrong table
     rescaled by the tracker after the first half of the served text, the right table, and uniform;
     KL on the second half of the served text."""
-    from pagedweight.allocate import allocate
-    from pagedweight.importance import RoutingTracker
+    from pagedweight.policy.allocate import allocate
+    from pagedweight.policy.importance import RoutingTracker
     from pwgpu.evaluate import ReferenceCache
     from pwgpu.importance import build_table, calibrate
 
@@ -409,8 +409,7 @@ def plot_all(out: Path, exp1, exp3, exp4) -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="models/tiny-moe")
     ap.add_argument("--table", default="traces/importance/tiny-moe.csv")
     ap.add_argument("--details", default="reports/quality/estimators.csv")
@@ -427,11 +426,18 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--only", default="1,2,3,4", help="experiments to run (comma list)")
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args(argv)
 
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
-    from pagedweight.importance import read_table
+    from pagedweight.policy.importance import read_table
     from pwgpu.evaluate import MoeForward, ReferenceCache, load_tokens
 
     torch.set_num_threads(args.threads)

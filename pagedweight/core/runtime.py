@@ -16,16 +16,16 @@ from typing import Protocol
 
 import numpy as np
 
-from pagedweight.controller import ABORT, DOWNGRADE, Change, Controller, ControllerSettings
+from pagedweight.core.pagetable import ExpertPageTable, Transition, expert_pages_by_id
+from pagedweight.core.pool import OWNER_PINNED, KvBlockAllocator, PagePool
+from pagedweight.core.scheduler import Batch, Scheduler, SchedulerConfig
+from pagedweight.core.spec import PRECISION_ID, PRECISION_NAMES, ModelSpec
+from pagedweight.core.step import StepShape
 from pagedweight.errors import PoolExhausted
-from pagedweight.importance import ImportanceTable
-from pagedweight.metrics import StepRecorder
-from pagedweight.pagetable import ExpertPageTable, Transition, expert_pages_by_id
-from pagedweight.policy import DYNAMIC_POLICIES, setup_policy
-from pagedweight.pool import OWNER_PINNED, KvBlockAllocator, PagePool
-from pagedweight.scheduler import Batch, Scheduler, SchedulerConfig
-from pagedweight.spec import PRECISION_ID, PRECISION_NAMES, ModelSpec
-from pagedweight.step import StepShape
+from pagedweight.policy.controller import ABORT, DOWNGRADE, Change, Controller, ControllerSettings
+from pagedweight.policy.importance import ImportanceTable
+from pagedweight.policy.policies import DYNAMIC_POLICIES, setup_policy
+from pagedweight.results.metrics import StepRecorder
 
 TRANSITION_COLUMNS = ("time_s", "expert", "layer", "from_precision", "to_precision", "kind", "bytes")
 

@@ -7,9 +7,9 @@ Columns (unused keys are 0 for an op):
 
 | column          | meaning                                                                 |
 |-----------------|-------------------------------------------------------------------------|
-| model           | ModelSpec name whose shapes were measured (``pagedweight.spec``)        |
+| model           | ModelSpec name whose shapes were measured (``pagedweight.core.spec``)        |
 | op              | one of ``OPS`` below                                                    |
-| precision       | weight precision name (``pagedweight.spec.PRECISIONS``), or ``-``       |
+| precision       | weight precision name (``pagedweight.core.spec.PRECISIONS``), or ``-``       |
 | m               | tokens (per expert for ``moe_ffn``; total for ``dense``/``lm_head``/``attn_prefill``) |
 | e               | active experts in the call (``moe_ffn``)                                |
 | batch           | sequences (``attn_decode``)                                             |
@@ -38,8 +38,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from pagedweight.core.spec import PRECISIONS
 from pagedweight.errors import SpecError, read_yaml_mapping
-from pagedweight.spec import PRECISIONS
 
 OPS = ("moe_ffn", "attn_prefill", "attn_decode", "dense", "lm_head", "quantize", "h2d_copy")
 KEY_COLUMNS = ("model", "op", "precision", "m", "e", "batch", "kv_len", "n", "k", "bytes")

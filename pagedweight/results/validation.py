@@ -1,6 +1,6 @@
 """Compare a simulated run with a real run of the same scenario: signed % errors per metric.
 
-Works only from two results directories (``pagedweight.results``), so it compares whatever
+Works only from two results directories (``pagedweight.results.writer``), so it compares whatever
 produced them. Error = (simulated - real) / real * 100: positive means the simulator
 over-predicts. ``validation.json`` holds every figure and the bounds they were checked against.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from pagedweight.errors import PagedWeightError
-from pagedweight.report_data import read_summary, signed_error_perc
+from pagedweight.results.report_data import read_summary, signed_error_perc
 
 # Metric -> bound on |error| in % (None: reported, not checked). The GPU targets of the
 # validation issue: throughput and mean TPOT within 5%, P50/P99 TTFT within 10%.

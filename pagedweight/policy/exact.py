@@ -17,7 +17,8 @@ import sys
 
 import numpy as np
 
-from pagedweight.allocate import Plan, Problem, make_plan
+from pagedweight.policy.hull import MarginalPlanner
+from pagedweight.policy.problem import Plan, Problem, make_plan
 
 _banner_shown = False
 
@@ -56,8 +57,6 @@ def kept_options(problem: Problem) -> np.ndarray:
 
 def solve_exact(problem: Problem, budget_bytes: int, time_limit_s: float | None = None) -> Plan:
     import highspy
-
-    from pagedweight.allocate_hull import MarginalPlanner
 
     problem.check_budget(budget_bytes)
     seed = MarginalPlanner(problem).plan(budget_bytes)

@@ -1,6 +1,6 @@
 """Reading results directories for reports and comparisons.
 
-Only the tables a results directory holds (``pagedweight.results``) are read, so a simulated
+Only the tables a results directory holds (``pagedweight.results.writer``) are read, so a simulated
 and a real run look the same here. Tables that a directory lacks come back empty; every
 consumer draws what the tables allow and says what is missing.
 """
@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from pagedweight.core.spec import PRECISION_NAMES, PRECISIONS
 from pagedweight.errors import PagedWeightError
-from pagedweight.spec import PRECISION_NAMES, PRECISIONS
 
 # (summary key, label, format, better): better is "higher", "lower" or "" (no direction).
 METRICS: tuple[tuple[str, str, str, str], ...] = (

@@ -18,9 +18,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedweight.pool import NUM_OWNERS, OWNER_FREE, OWNER_KV, OWNER_PINNED, OWNER_TRANSITION, PagePool, weight_owner
-from pagedweight.scheduler import FINISHED, REJECTED, Request
-from pagedweight.spec import PRECISION_NAMES
+from pagedweight.core.pool import (
+    NUM_OWNERS,
+    OWNER_FREE,
+    OWNER_KV,
+    OWNER_PINNED,
+    OWNER_TRANSITION,
+    PagePool,
+    weight_owner,
+)
+from pagedweight.core.scheduler import FINISHED, REJECTED, Request
+from pagedweight.core.spec import PRECISION_NAMES
 
 PERCENTILES = (("median", 50.0), ("p90", 90.0), ("p99", 99.0))
 

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedweight.core.spec import DEFAULT_LADDER, PRECISIONS, ModelSpec, ladder
 from pagedweight.errors import ImportanceError
-from pagedweight.spec import DEFAULT_LADDER, PRECISIONS, ModelSpec, ladder
 
 FORMAT_TAG = "pagedweight-importance v1"
 BASE_COLUMNS = ("layer", "expert", "routing_freq", "routing_weight_mass", "importance")

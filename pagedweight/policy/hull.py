@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedweight.allocate import Plan, Problem, make_plan
+from pagedweight.policy.problem import Plan, Problem, make_plan
 
 
 def lower_hulls(bytes_: np.ndarray, dloss: np.ndarray, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

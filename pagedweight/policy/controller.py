@@ -6,7 +6,7 @@ downgrades at once (quantise into fresh pages, flip, free: bounded by HBM bandwi
 step that needs the pages waits for them), upgrades through the copy engine (host master ->
 device over PCIe, flipped only when complete), aborts by releasing an upgrade's new pages.
 
-Rules, per policy (``pagedweight.policy``):
+Rules, per policy (``pagedweight.policy.policies``):
 - Downgrades happen as soon as KV needs pages, before any preemption.
 - ``pagedweight``: the weight budget is the pool less pinned pages, KV held, the scheduler's
   KV forecast over ``horizon_steps`` and a ``low_watermark`` of free pages. Below it: downgrade
@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedweight.allocate import Plan, Problem, paper_greedy
-from pagedweight.allocate_hull import MarginalPlanner
+from pagedweight.core.pagetable import ExpertPageTable
+from pagedweight.core.pool import OWNER_KV, OWNER_PINNED, KvBlockAllocator
+from pagedweight.core.spec import PRECISION_ID, PRECISION_NAMES
 from pagedweight.errors import ConfigError
-from pagedweight.importance import ImportanceTable, RoutingTracker
-from pagedweight.pagetable import ExpertPageTable
-from pagedweight.pool import OWNER_KV, OWNER_PINNED, KvBlockAllocator
-from pagedweight.spec import PRECISION_ID, PRECISION_NAMES
+from pagedweight.policy.allocate import Plan, Problem, paper_greedy
+from pagedweight.policy.hull import MarginalPlanner
+from pagedweight.policy.importance import ImportanceTable, RoutingTracker
 
 DOWNGRADE, UPGRADE, ABORT = "downgrade", "upgrade", "abort"
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedweight.core.pool import KvBlockAllocator
+from pagedweight.core.step import StepShape
 from pagedweight.errors import ConfigError
-from pagedweight.pool import KvBlockAllocator
-from pagedweight.step import StepShape
 
 WAITING, RUNNING, FINISHED, REJECTED = "waiting", "running", "finished", "rejected"
 

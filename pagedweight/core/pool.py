@@ -21,8 +21,8 @@ import math
 
 import numpy as np
 
+from pagedweight.core.spec import PRECISION_NAMES
 from pagedweight.errors import PoolError, PoolExhausted
-from pagedweight.spec import PRECISION_NAMES
 
 MiB = 2**20
 DEFAULT_PAGE_BYTES = 2 * MiB

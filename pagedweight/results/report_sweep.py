@@ -14,10 +14,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from pagedweight.report import CSS, png_tag
-from pagedweight.report_data import KEY_METRICS, METRICS, fmt
-from pagedweight.report_plots import policy_colour, quality_scale, save_png
-from pagedweight.results import atomic_write_text
+from pagedweight.results.report import CSS, png_tag
+from pagedweight.results.report_data import KEY_METRICS, METRICS, fmt
+from pagedweight.results.report_plots import policy_colour, quality_scale, save_png
+from pagedweight.results.writer import atomic_write_text
 
 _LINESTYLES = ("-", "--", ":", "-.")
 

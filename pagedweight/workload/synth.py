@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import ValidationError
 
+from pagedweight.config.workload import SyntheticWorkload, parse_workload
 from pagedweight.errors import ConfigError, format_validation_error
-from pagedweight.workload import SyntheticWorkload, parse_workload
 
 if TYPE_CHECKING:
-    from pagedweight.traces import RequestTrace
+    from pagedweight.workload.traces import RequestTrace
 
 _AZURE_CONV_LENGTHS = {
     "kind": "lognormal",
@@ -95,7 +95,7 @@ def synthesize(
     cv: float | None = None,
 ) -> RequestTrace:
     """Generate the preset ``kind`` with optional overrides; the same seed gives the same trace."""
-    from pagedweight.trace_build import build_workload  # pandas-backed; kept out of the CLI's start-up
+    from pagedweight.workload.build import build_workload  # pandas-backed; kept out of the CLI's start-up
 
     if kind not in SYNTH_PRESETS:
         raise ConfigError(f"kind(={kind!r}) must be one of {', '.join(SYNTH_PRESETS)}")

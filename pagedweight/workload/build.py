@@ -10,10 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedweight.arrivals import generate_arrivals
-from pagedweight.errors import ConfigError, TraceError
-from pagedweight.traces import RequestTrace, load_azure, load_burstgpt, load_generic, load_lengths, load_mooncake
-from pagedweight.workload import (
+from pagedweight.config.workload import (
     FileLengths,
     FixedLengths,
     LengthsConfig,
@@ -21,6 +18,16 @@ from pagedweight.workload import (
     LognormalTokens,
     SyntheticWorkload,
     TraceWorkload,
+)
+from pagedweight.errors import ConfigError, TraceError
+from pagedweight.workload.arrivals import generate_arrivals
+from pagedweight.workload.traces import (
+    RequestTrace,
+    load_azure,
+    load_burstgpt,
+    load_generic,
+    load_lengths,
+    load_mooncake,
 )
 
 

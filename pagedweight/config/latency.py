@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from pagedweight.core.spec import PRECISIONS
 from pagedweight.errors import ConfigError
-from pagedweight.spec import PRECISIONS
 
 
 class AnalyticLatencyConfig(BaseModel):

@@ -27,11 +27,11 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pagedweight.config.latency import AnalyticLatencyConfig, LatencyConfig, RoutingConfig
+from pagedweight.config.workload import WorkloadConfig
+from pagedweight.core.spec import PRECISION_ID, PRECISIONS, ModelSpec, get_precision, ladder, load_gpu, load_model
 from pagedweight.errors import ConfigError, PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
-from pagedweight.latency_config import AnalyticLatencyConfig, LatencyConfig, RoutingConfig
-from pagedweight.policy import POLICY_NAMES
-from pagedweight.spec import PRECISION_ID, PRECISIONS, ModelSpec, get_precision, ladder, load_gpu, load_model
-from pagedweight.workload import WorkloadConfig
+from pagedweight.policy.policies import POLICY_NAMES
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -101,7 +101,7 @@ class SchedulerSection(_Strict):
 
 
 class SyntheticImportance(_Strict):
-    """A synthetic importance table (see ``pagedweight.importance``), marked synthetic in outputs."""
+    """A synthetic importance table (see ``pagedweight.policy.importance``), marked synthetic in outputs."""
 
     kind: Literal["synthetic"] = "synthetic"
     seed: int = Field(default=0, ge=0)
@@ -126,13 +126,13 @@ class MeasuredImportance(_Strict):
 
 
 # Where measured tables live: beside the package in a checkout (``pip install -e``).
-MEASURED_IMPORTANCE_DIR = Path(__file__).resolve().parent.parent / "traces" / "importance"
+MEASURED_IMPORTANCE_DIR = Path(__file__).resolve().parents[2] / "traces" / "importance"
 
 ImportanceConfig = Annotated[MeasuredImportance | SyntheticImportance | FileImportance, Field(discriminator="kind")]
 
 
 class ControllerConfig(_Strict):
-    """Knobs of the run-time precision controller (``pagedweight.controller``)."""
+    """Knobs of the run-time precision controller (``pagedweight.policy.controller``)."""
 
     horizon_steps: int = Field(default=32, ge=1)  # KV forecast look-ahead
     low_watermark: float = Field(default=0.02, ge=0, lt=1)  # free pool fraction kept for KV growth
@@ -214,7 +214,7 @@ class LoadedScenario:
 
 
 def _min_budget(model: ModelSpec, mem: MemoryConfig) -> int:
-    from pagedweight.pagetable import expert_pages_by_id  # the page table's own count
+    from pagedweight.core.pagetable import expert_pages_by_id  # the page table's own count
 
     lowest = PRECISION_ID[get_precision(mem.precisions[-1]).name]
     expert_pages = int(expert_pages_by_id(model, mem.page_bytes)[lowest])
@@ -337,7 +337,7 @@ def importance_path(loaded: LoadedScenario) -> Path | None:
 def importance_table(loaded: LoadedScenario):
     """The scenario's importance table, restricted to its precision ladder. A file table must
     describe the scenario's model and cover every precision of the ladder."""
-    from pagedweight.importance import ImportanceError, on_ladder, read_table, synthetic_table
+    from pagedweight.policy.importance import ImportanceError, on_ladder, read_table, synthetic_table
 
     sc = loaded.scenario
     ladder_names = sc.memory.precisions
