@@ -120,7 +120,11 @@ def paged_decode_ref(
     scores = torch.einsum("bkgd,bckd->bkgc", qg, k.float()) * scale  # [B, Hkv, G, C]
     valid = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None]  # [B, C]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.einsum("bkgc,bckd->bkgd", torch.softmax(scores, dim=-1), v.float())
+    # Slots past the context hold whatever the page held before (an expert's weights, which
+    # read as bf16 can be NaN or inf): a zero attention weight times NaN is NaN, so they are
+    # zeroed, not only masked.
+    v = v.float().masked_fill(~valid[:, :, None, None], 0.0)
+    out = torch.einsum("bkgc,bckd->bkgd", torch.softmax(scores, dim=-1), v)
     return out.reshape(b, hq, d).to(q.dtype)
 
 

@@ -89,3 +89,29 @@ def test_mixed_batch_equals_each_request_alone(device):
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(mixed[start : start + n], want, rtol=tol, atol=tol)
         start += n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_ignores_nan_past_the_context(device):
+    """A KV page may have held an expert's weights before (after a precision change frees it),
+    whose bytes read as NaN; slots past a request's context must not reach its output."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(2)
+    kv = make_cache(device, 1, 2, 16, 8, torch.float32)
+    kv.view.fill_(float("nan"))
+    ctx = 5  # one block of 8 slots, three of them never written
+    k, v = torch.randn(ctx, 2, 16, device=device), torch.randn(ctx, 2, 16, device=device)
+    batch, _ = build_batch([([3], 0, ctx)], 8, torch.device(device))
+    kv.write(0, batch.slot_blocks, batch.slot_offsets, k, v)
+    q = torch.randn(1, 4, 16, device=device)
+    tables, lens = torch.tensor([[3]], device=device), torch.tensor([ctx], device=device)
+    want = F_.scaled_dot_product_attention(
+        q.transpose(0, 1)[:, None], k.repeat_interleave(2, 1).transpose(0, 1)[:, None],
+        v.repeat_interleave(2, 1).transpose(0, 1)[:, None], scale=0.25,
+    )[:, 0].transpose(0, 1)  # fmt: skip
+    torch.testing.assert_close(paged_decode_ref(q, kv, 0, tables, lens, 0.25), want, rtol=1e-5, atol=1e-5)
+    if device == "cuda":
+        from pwgpu.kernels.attention import paged_decode_triton
+
+        torch.testing.assert_close(paged_decode_triton(q, kv, 0, tables, lens, 0.25), want, rtol=1e-5, atol=1e-5)
