@@ -59,9 +59,10 @@ def quantized(w: torch.Tensor, precision: str) -> torch.Tensor:
 
 
 class MoeForward:
-    """fp32 forward pass of a Mixtral-layout checkpoint with per-expert precision."""
+    """fp32 forward pass of a Mixtral-layout checkpoint with per-expert precision. ``dtype``
+    float64 gives the exact-arithmetic reference that measures fp32's own noise floor."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32):
         from safetensors.torch import load_file
 
         model_dir = Path(model_dir)
@@ -76,7 +77,9 @@ class MoeForward:
             raise QualityError(f"{model_dir}: no *.safetensors file")
         t = {}
         for f in files:
-            t.update({k: v.float() for k, v in load_file(str(f)).items()})
+            t.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
+        self.dtype = dtype
+        self.model_dir = model_dir
         self.config = cfg
         self.num_layers = cfg["num_hidden_layers"]
         self.num_experts = cfg["num_local_experts"]
@@ -88,7 +91,7 @@ class MoeForward:
         self.head_dim = cfg.get("head_dim") or self.hidden // self.heads
         self.eps = cfg.get("rms_norm_eps", 1e-5)
         theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=dtype) / self.head_dim)
         self.embed = t["model.embed_tokens.weight"]
         self.norm = t["model.norm.weight"]
         self.lm_head = t.get("lm_head.weight", self.embed)
@@ -124,7 +127,7 @@ class MoeForward:
     def expert_weights(self, layer: int, expert: int, precision: str) -> tuple[torch.Tensor, ...]:
         key = (layer, expert, precision)
         if key not in self._cache:
-            self._cache[key] = tuple(quantized(w, precision) for w in self.master[layer][expert])
+            self._cache[key] = tuple(quantized(w, precision).to(self.dtype) for w in self.master[layer][expert])
         return self._cache[key]
 
     def set_precision(self, layer: int, expert: int, precision: str) -> None:
@@ -190,8 +193,9 @@ class MoeForward:
             out = out.index_add(0, tok, y * top_w[tok, slot, None])
         return out.view_as(x)
 
-    def rope(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.outer(torch.arange(t, dtype=torch.float32), self.inv_freq)
+    def rope(self, t: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables for positions ``start .. start + t - 1``."""
+        freqs = torch.outer(torch.arange(start, start + t, dtype=self.dtype), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos()[None, None], emb.sin()[None, None]
 
@@ -228,6 +232,46 @@ class MoeForward:
     def log_probs(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return torch.log_softmax(self.logits(ids), dim=-1)
+
+    def extend(self, ids: torch.Tensor, past: list | None) -> tuple[torch.Tensor, list]:
+        """Logits [1, n, V] of ``n`` more tokens ids [1, n] of one sequence, attending to the
+        keys and values in ``past`` (per layer ``(k, v)`` [1, kv_heads, start, d], or None at
+        the start), computed with the experts as they are set now; returns the extended
+        ``past``. Replays an engine's KV history: each chunk under the precision map that
+        computed it. Truncate ``past`` (``truncate_past``) to recompute from a position."""
+        n = ids.shape[1]
+        start = 0 if not past else past[0][0].shape[2]
+        cos, sin = self.rope(n, start)
+        # Query i (position start + i) sees keys 0 .. start + i.
+        mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
+        new_past = []
+        with torch.no_grad():
+            h = self.embed[ids]
+            for i in range(self.num_layers):
+                lw = self.layers[i]
+                x = self._rms(h, lw["input_layernorm.weight"])
+                d = self.head_dim
+                q = (x @ lw["self_attn.q_proj.weight"].T).view(1, n, self.heads, d).transpose(1, 2)
+                k = (x @ lw["self_attn.k_proj.weight"].T).view(1, n, self.kv_heads, d).transpose(1, 2)
+                v = (x @ lw["self_attn.v_proj.weight"].T).view(1, n, self.kv_heads, d).transpose(1, 2)
+                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+                if past:
+                    k, v = torch.cat((past[i][0], k), dim=2), torch.cat((past[i][1], v), dim=2)
+                new_past.append((k, v))
+                rep = self.heads // self.kv_heads
+                o = F_.scaled_dot_product_attention(
+                    q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), attn_mask=mask
+                )
+                h = h + o.transpose(1, 2).reshape(1, n, self.heads * d) @ lw["self_attn.o_proj.weight"].T
+                h = h + self._moe(i, self._rms(h, lw["post_attention_layernorm.weight"]), None)
+            return self._rms(h, self.norm) @ self.lm_head.T, new_past
+
+
+def truncate_past(past: list | None, length: int) -> list | None:
+    """The first ``length`` positions of an ``extend`` cache (None when empty)."""
+    if not past or length <= 0:
+        return None
+    return [(k[:, :, :length], v[:, :, :length]) for k, v in past]
 
 
 # ------------------------------------------------------------------------------------------
@@ -292,6 +336,47 @@ def uniform_plan(model: MoeForward, precision: str) -> np.ndarray:
 # ------------------------------------------------------------------------------------------
 
 
+def kl_per_position(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(ref || other) in nats at every position of [..., V] logits, in float64: fp32 log-softmax
+    differences carry ~1e-7 of rounding per position, which made tiny KLs negative and
+    run-dependent; in float64 a KL of two distributions is never below -1e-15."""
+    lp_ref = torch.log_softmax(ref_logits.double(), dim=-1)
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    return (lp_ref.exp() * (lp_ref - lp)).sum(-1)
+
+
+def nll_per_position(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log p(target) in float64 at every position: logits [T, V], targets [T]."""
+    return -torch.log_softmax(logits.double(), dim=-1).gather(-1, targets[:, None])[:, 0]
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """Sums per block of consecutive scored positions (``block_tokens`` each, fewer at the end
+    of a window): what a paired bootstrap over token blocks resamples. Arrays of length blocks."""
+
+    tokens: np.ndarray
+    kl: np.ndarray  # sum of KL(full || plan) nats
+    nll_full: np.ndarray
+    nll_plan: np.ndarray
+
+    def result(self, domain: str) -> DomainResult:
+        n = int(self.tokens.sum())
+        return DomainResult(
+            domain,
+            n,
+            float(self.kl.sum() / n),
+            math.exp(float(self.nll_full.sum()) / n),
+            math.exp(float(self.nll_plan.sum()) / n),
+        )
+
+
+def block_sums(values: torch.Tensor, block_tokens: int) -> np.ndarray:
+    """Sums of consecutive runs of ``block_tokens`` values (the last run shorter)."""
+    v = values.detach().double().numpy()
+    return np.add.reduceat(v, np.arange(0, len(v), block_tokens)) if len(v) else np.zeros(0)
+
+
 @dataclass(frozen=True)
 class DomainResult:
     domain: str
@@ -302,34 +387,60 @@ class DomainResult:
 
 
 class ReferenceCache:
-    """Full-precision log-probs of each evaluation window, computed once and reused by every plan."""
+    """Full-precision logits of each evaluation window, computed once and reused by every plan.
+    With ``cache`` (a ``pwgpu.qcache.DiskCache``) they are also kept on disk, keyed by the
+    checkpoint's bytes, the token ids and the window, so a rerun does not recompute them."""
 
-    def __init__(self, model: MoeForward, data: dict[str, np.ndarray], window: int):
+    def __init__(self, model: MoeForward, data: dict[str, np.ndarray], window: int, cache=None):
         self.window = window
         self.data = data
         saved = [row[:] for row in model.active], model.precision.copy()
         model.reset()
         self.rows = {d: windows(ids, window) for d, ids in data.items()}
-        self.ref = {d: [model.log_probs(r) for r in rows] for d, rows in self.rows.items()}
+        self.ref = {}
+        for d, rows in self.rows.items():
+            key = None
+            if cache is not None:
+                key = cache.key("reference-logits", cache.model_key(model.model_dir), str(model.dtype), window, data[d])
+                stored = cache.load(key)
+                if stored is not None:
+                    flat = torch.from_numpy(stored["logits"])
+                    self.ref[d] = list(torch.split(flat, [r.shape[1] for r in rows]))
+                    self.ref[d] = [x[None] for x in self.ref[d]]
+                    continue
+            with torch.no_grad():
+                self.ref[d] = [model.logits(r) for r in rows]
+            if key is not None:
+                cache.save(key, logits=torch.cat([x[0] for x in self.ref[d]]).numpy())
         model.active, model.precision = saved
+
+
+def evaluate_blocks(
+    model: MoeForward, ref: ReferenceCache, plan: np.ndarray | None, block_tokens: int = 128
+) -> dict[str, BlockStats]:
+    """Per domain, KL(full || plan) and both negative log-likelihoods summed over blocks of
+    ``block_tokens`` scored positions (blocks never straddle a window); ``plan=None`` evaluates
+    the model as it is set."""
+    if plan is not None:
+        model.set_plan(plan)
+    out = {}
+    for domain, rows in ref.rows.items():
+        parts = {"tokens": [], "kl": [], "nll_full": [], "nll_plan": []}
+        for row, ref_logits in zip(rows, ref.ref[domain], strict=True):
+            with torch.no_grad():
+                logits = model.logits(row)
+            ref_l, plan_l, target = ref_logits[0, :-1], logits[0, :-1], row[0, 1:]
+            parts["kl"].append(block_sums(kl_per_position(ref_l, plan_l), block_tokens))
+            parts["nll_full"].append(block_sums(nll_per_position(ref_l, target), block_tokens))
+            parts["nll_plan"].append(block_sums(nll_per_position(plan_l, target), block_tokens))
+            parts["tokens"].append(block_sums(torch.ones(len(target)), block_tokens))
+        out[domain] = BlockStats(**{k: np.concatenate(v) for k, v in parts.items()})
+    return out
 
 
 def evaluate_plan(model: MoeForward, ref: ReferenceCache, plan: np.ndarray | None) -> list[DomainResult]:
     """KL(full || plan) and perplexities per domain; ``plan=None`` evaluates the model as it is set."""
-    if plan is not None:
-        model.set_plan(plan)
-    results = []
-    for domain, rows in ref.rows.items():
-        kl_sum, nll_full, nll_plan, n = 0.0, 0.0, 0.0, 0
-        for row, lp_ref in zip(rows, ref.ref[domain], strict=True):
-            lp = model.log_probs(row)
-            kl_sum += float((lp_ref.exp() * (lp_ref - lp)).sum(-1)[0, :-1].sum())
-            target = row[0, 1:]
-            nll_full -= float(lp_ref[0, :-1].gather(-1, target[:, None]).sum())
-            nll_plan -= float(lp[0, :-1].gather(-1, target[:, None]).sum())
-            n += row.shape[1] - 1
-        results.append(DomainResult(domain, n, kl_sum / n, math.exp(nll_full / n), math.exp(nll_plan / n)))
-    return results
+    return [stats.result(d) for d, stats in evaluate_blocks(model, ref, plan).items()]
 
 
 def write_results(path: str | Path, results: list[DomainResult], extra: dict | None = None) -> None:

@@ -21,6 +21,10 @@ expert's output vector for token x before the gate weight ``a_i(x)`` multiplies 
   output loses), the kind of score MC-MoE-style methods use.
 - ``oracle(p)``: mean KL(full precision || model with only expert i at p) per token, measured.
 
+Disjoint subsets (``fold_tokens``): cut each file into windows and give window i to fold
+``i % folds``; tables calibrated on different folds are independent repetitions ("seeds"), and
+the oracle is measured on a fold no table was calibrated on.
+
 Calibration draws windows from every data file in turn (equal tokens per domain), then keeps
 drawing while some expert has fewer than ``min_expert_tokens`` routed tokens (up to twice the
 budget). Experts still below it get a fallback ``dloss`` (the layer's median loss per routed
@@ -38,7 +42,7 @@ import torch
 
 from pagedweight.core.spec import get_precision, ladder
 from pagedweight.policy.importance import ImportanceTable
-from pwgpu.evaluate import MASTER, MoeForward, QualityError, swiglu, windows
+from pwgpu.evaluate import MASTER, MoeForward, QualityError, kl_per_position, swiglu, windows
 
 TABLE_LADDER = ("bf16", "fp8", "int8", "int4", "int3", "int2")
 DLOSS_SOURCES = ("fisher-token", "fisher-seq", "output-error", "oracle")
@@ -74,6 +78,20 @@ class Estimates:
     def per_token(self, name: str) -> np.ndarray:
         """A sum turned into a mean over all calibration tokens."""
         return getattr(self, name) / max(self.tokens, 1)
+
+
+def fold_tokens(ids: np.ndarray, window: int, folds: int, chosen) -> np.ndarray:
+    """The whole windows ``i`` of ``window`` tokens with ``i % folds`` in ``chosen``, concatenated
+    in order (so re-cutting the result into windows of ``window`` gives exactly those windows)."""
+    chosen = set(chosen)
+    bad = [f for f in chosen if not 0 <= f < folds]
+    if bad:
+        raise QualityError(f"fold {bad[0]} is outside 0..{folds - 1}")
+    n = len(ids) // window
+    keep = [ids[i * window : (i + 1) * window] for i in range(n) if i % folds in chosen]
+    if not keep:
+        raise QualityError(f"no whole window of {window} tokens falls in folds {sorted(chosen)} of {folds}")
+    return np.concatenate(keep)
 
 
 def _ladder(names) -> tuple[str, ...]:
@@ -183,7 +201,7 @@ def oracle_kl(
     )
     with torch.no_grad():
         cached = [model.layer_inputs(r) for r in rows]  # per row: (inputs of each layer, rope)
-        ref = [torch.log_softmax(model.run_from(0, h[0], rope), dim=-1) for h, rope in cached]
+        ref = [model.run_from(0, h[0], rope) for h, rope in cached]
         est.oracle_tokens = sum(int(r.shape[1]) for r in rows)
         for n, (layer, e) in enumerate(experts):
             for j, p in enumerate(est.ladder):
@@ -191,9 +209,8 @@ def oracle_kl(
                     continue
                 model.set_precision(layer, e, p)
                 kl = 0.0
-                for (h, rope), lp_ref in zip(cached, ref, strict=True):
-                    lp = torch.log_softmax(model.run_from(layer, h[layer], rope), dim=-1)
-                    kl += float((lp_ref.exp() * (lp_ref - lp)).sum())
+                for (h, rope), ref_logits in zip(cached, ref, strict=True):
+                    kl += float(kl_per_position(ref_logits, model.run_from(layer, h[layer], rope)).sum())
                 est.oracle[layer, e, j] = kl / est.oracle_tokens
             model.set_precision(layer, e, MASTER)
             if progress and (n + 1) % 8 == 0:
@@ -267,7 +284,7 @@ def build_table(
 DETAIL_FIELDS = ("fisher_token", "fisher_seq", "output_error", "oracle")
 
 
-def write_details(path, est: Estimates) -> None:
+def write_details(path, est: Estimates, oracle_text: str = "") -> None:
     """Every estimator per expert (one wide CSV), for comparing them against the oracle."""
     cols = ["layer", "expert", "tokens", "routing_freq", "routing_weight_mass", "importance"]
     lossy = [p for p in est.ladder if p != MASTER]
@@ -293,7 +310,8 @@ def write_details(path, est: Estimates) -> None:
                 )
             )
     with open(path, "w") as f:
-        f.write(f"# calibration_tokens: {est.tokens}; oracle_tokens: {est.oracle_tokens}\n")
+        where = f"; oracle_text: {oracle_text}" if oracle_text else ""
+        f.write(f"# calibration_tokens: {est.tokens}; oracle_tokens: {est.oracle_tokens}{where}\n")
         f.write("\n".join(lines) + "\n")
 
 

@@ -38,6 +38,8 @@ def table_path(tmp_path_factory):
         "64",
         "--oracle-experts",
         "0:0,0:1,0:2",
+        "--folds",
+        "2",  # calibrate on fold 0, the oracle on fold 1: never the same text
     ]
     out = _run("-m", "pwgpu.cli", "importance", "--model", MODEL, "--data", *CALIB, "--out", str(d / "t.csv"),
                *small, "--details", str(d / "details.csv"))  # fmt: skip
@@ -61,6 +63,8 @@ def test_importance_writes_a_table_pwsim_reads(table_path):
     assert not table.synthetic and "calibration" in table.source
     assert (table.dloss[:, 0] == 0).all() and (table.dloss[:, -1] > 0).all()
     details = (table_path.parent / "details.csv").read_text().splitlines()
+    assert "oracle_text: fold 1 of 2, disjoint from calibration folds [0]" in details[0]
+    assert "--folds 2 --fold 0" in table.source
     oracle = [ln.split(",")[-1] for ln in details[2:]]  # oracle_int2 of each expert
     assert sum(v != "nan" for v in oracle) == 3  # only the three requested experts were measured
 
@@ -98,6 +102,9 @@ def test_experiments_script_quick(table_path, tmp_path):
     [
         (["--dloss", "oracle"], "--dloss oracle needs --oracle"),
         (["--oracle", "--oracle-experts", "a:b"], "LAYER:EXPERT"),
+        (["--oracle", "--folds", "3", "--fold", "1,2"], "--oracle-fold 2 is also a calibration fold"),
+        (["--folds", "0"], "--folds 0: must be >= 1"),
+        (["--fold", "1"], "--fold/--oracle-fold need --folds >= 2"),
     ],
 )
 def test_conflicting_flags_are_refused_before_calibration(flags, words, tmp_path):
