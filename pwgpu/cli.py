@@ -15,6 +15,8 @@ COMMANDS: dict[str, str] = {
     "importance": "pwgpu.commands.importance",
     "eval": "pwgpu.commands.eval",
     "experiments": "pwgpu.commands.experiments",
+    "equal-memory": "pwgpu.commands.equal_memory",
+    "tables": "pwgpu.commands.tables",
 }
 
 main = build_main(

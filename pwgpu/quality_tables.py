@@ -1,0 +1,424 @@
+"""The Markdown tables of ``reports/quality/README.md``, rendered from the committed outputs.
+
+Each table in the README sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``
+and is exactly what ``render(NAME, directory)`` returns for the CSV and JSON files there. ``pwgpu
+tables --write`` rewrites the blocks; ``pwgpu tables`` (and a test) fails when one differs, so a
+table can never drift from the outputs it reports. Pure numpy/csv/json: no torch needed.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+BLOCK = re.compile(r"<!-- generated: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- end: (?P=name) -->", re.S)
+
+
+# ------------------------------------------------------------------------------------------
+# Formatting
+# ------------------------------------------------------------------------------------------
+
+
+def g(x, digits: int = 3) -> str:
+    """A number with ``digits`` significant digits; "n/a" for missing or NaN."""
+    if x is None or (isinstance(x, float) and math.isnan(x)) or x == "":
+        return "n/a"
+    return f"{float(x):.{digits}g}"
+
+
+def pct(x, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{100 * float(x):.{digits}f}%"
+
+
+def ci(lo, hi, f: Callable = g) -> str:
+    return f"[{f(lo)}, {f(hi)}]"
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def read_csv(path: Path) -> list[dict]:
+    lines = [ln for ln in Path(path).read_text().splitlines() if ln and not ln.startswith("#")]
+    return list(csv.DictReader(lines))
+
+
+def _f(row: dict, key: str) -> float:
+    v = row.get(key, "")
+    return float(v) if v not in ("", None) else float("nan")
+
+
+# ------------------------------------------------------------------------------------------
+# Experiments 1-4 (pwgpu experiments)
+# ------------------------------------------------------------------------------------------
+
+
+def _md4(header, rows) -> str:
+    from pwgpu.experiments import md_table
+
+    return md_table(header, rows) + "\n"
+
+
+def exp1(d: Path) -> str:
+    rows = read_csv(d / "exp1_quality_vs_memory.csv")
+    fractions = sorted({float(r["fraction"]) for r in rows})
+    domains = sorted({r["domain"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    kl = {(r["method"], float(r["fraction"]), r["domain"]): float(r["kl_nats_per_token"]) for r in rows}
+    header = ["method", *(f"{f:.0%} {dom}" for f in fractions for dom in domains)]
+    body = [[m, *(kl[(m, f, dom)] for f in fractions for dom in domains)] for m in methods]
+    return _md4(header, body)
+
+
+def _uniform_at(summary: dict, fraction, tau: float) -> str:
+    """The single format at ``fraction`` that meets the threshold (fp8 and int8 share bytes)."""
+    for u in summary["headline"]["uniform"]:
+        if fraction is not None and abs(u["fraction"] - fraction) < 1e-9 and u["kl_max"] <= tau:
+            return u["precision"]
+    return ""
+
+
+def _sci(x: float) -> str:
+    m, e = f"{x:.0e}".split("e")
+    return f"{m}e{int(e)}"
+
+
+def _saving(summary: dict, fraction) -> str:
+    if fraction is None:
+        return "none"
+    h = summary["headline"]
+    e, p = h["expert_bytes_bf16"], h["pinned_bytes_bf16"]
+    whole = 1 - (p + fraction * e) / (p + e)
+    return f"{pct(1 - fraction)} / {pct(whole)}"
+
+
+def exp2_thresholds(d: Path) -> str:
+    s = json.loads((d / "summary.json").read_text())
+    rows = []
+    for t in s["headline"]["thresholds"]:
+        ppl = t["marginal_ppl_ratio"] or {}
+        worst = max((abs(v - 1) for v in ppl.values()), default=float("nan"))
+        grid = t["grid_min_fraction"]
+        rows.append(
+            [
+                f"{_sci(t['kl_threshold'])} (marginal's ppl within {pct(worst, 2)})",
+                pct(t["marginal_min_fraction"]),
+                _saving(s, t["marginal_min_fraction"]),
+                f"{pct(t['uniform_min_fraction'])} ({_uniform_at(s, t['uniform_min_fraction'], t['kl_threshold'])})"
+                if t["uniform_min_fraction"] is not None
+                else "none",
+                _saving(s, t["uniform_min_fraction"]),
+                ", ".join("none" if v is None else f"{v:.0%}" for v in grid.values()),
+            ]
+        )
+    methods = ", ".join(s["headline"]["thresholds"][0]["grid_min_fraction"])
+    header = [
+        "KL threshold (nats/token)",
+        "`marginal`: least expert bytes (bisection)",
+        "saving, experts / whole model",
+        "uniform (one format): least bytes",
+        "saving, experts / whole model",
+        f"smallest grid budget (exp 1) per method: {methods}",
+    ]
+    return table(header, rows)
+
+
+def exp2_gains(d: Path) -> str:
+    s = json.loads((d / "summary.json").read_text())
+    gains = s["headline"]["gains"]
+    domains = sorted({x["domain"] for x in gains})
+    by = {(x["fraction"], x["domain"]): x["kl_reduction"] for x in gains}
+    rows = [[f"{f:.0%}", *(pct(by.get((f, dom))) for dom in domains)] for f in sorted({x["fraction"] for x in gains})]
+    return table(["budget", *domains], rows)
+
+
+def exp3(d: Path) -> str:
+    import numpy as np
+
+    rows = read_csv(d / "exp3_rank_correlation.csv")
+    precs = list(dict.fromkeys(r["precision"] for r in rows))
+    estimators = list(dict.fromkeys(r["estimator"] for r in rows))
+
+    def mean_rho(e, p, across: bool) -> float:
+        sel = [
+            _f(r, "spearman")
+            for r in rows
+            if r["estimator"] == e and r["precision"] == p and (r["layer"] == "all") == across
+        ]
+        return float(np.nanmean(sel))
+
+    body = [[e, *(mean_rho(e, p, False) for p in precs), *(mean_rho(e, p, True) for p in precs)] for e in estimators]
+    return _md4(["estimator", *(f"{p} in layer" for p in precs), *(f"{p} all" for p in precs)], body)
+
+
+def exp4(d: Path) -> str:
+    rows = read_csv(d / "exp4_drift.csv")
+    body = [
+        [r["calibrated_on"], r["served"], r["plan"], float(r["kl_nats_per_token"]), float(r["ppl_plan"])] for r in rows
+    ]
+    return _md4(["calibrated on", "served", "plan", "KL nats/token", "ppl"], body)
+
+
+# ------------------------------------------------------------------------------------------
+# Equal memory (pwgpu equal-memory)
+# ------------------------------------------------------------------------------------------
+
+
+def _em(d: Path) -> tuple[dict, list[dict], list[dict]]:
+    return (
+        json.loads((d / "equal_memory.json").read_text()),
+        read_csv(d / "equal_memory.csv"),
+        read_csv(d / "equal_memory_ratios.csv"),
+    )
+
+
+def _kl_cell(r: dict) -> str:
+    if r["below_noise_floor"] == "True":
+        return f"< floor ({g(_f(r, 'kl'))})"
+    return f"{g(_f(r, 'kl'))} {ci(_f(r, 'kl_lo'), _f(r, 'kl_hi'))}"
+
+
+def equal_memory_setup(d: Path) -> str:
+    s, _, _ = _em(d)
+    st = s["settings"]
+    floor = s.get("noise_floor") or {}
+    lines = [
+        f"- model `{st['model']}` (sha256 {st['model_sha256'][:12]}), evaluation text "
+        + ", ".join(f"{k} {v:,} tokens" for k, v in st["scored_tokens"].items())
+        + f" scored, windows of {st['window']}, bootstrap {st['bootstrap']} replicates"
+        + f" over blocks of {st['block_tokens']} tokens",
+        f"- {st['seeds']} calibration seeds (disjoint folds of {st['folds']}; per seed "
+        + ", ".join(f"{k} {v:,}" for k, v in st["calib_tokens_per_seed"].items())
+        + " tokens); the uniform mix is chosen on the last fold ("
+        + ", ".join(f"{k} {v:,}" for k, v in st["selection_tokens"].items())
+        + " tokens)",
+        "- noise floor (KL of the float32 model against float64, upper end of the 95% interval): "
+        + (", ".join(f"{k} {g(v['kl_hi'])}" for k, v in floor.items()) if floor else "not measured"),
+        f"- expert bytes at bf16 {s['expert_bytes_bf16']:,}; "
+        f"pinned (attention, embeddings, norms, routers) {s['pinned_bytes_bf16']:,}",
+        f"- run time {s['run_time_s']:.0f} s ({s['evaluations']['computed']} plans evaluated, "
+        f"{s['evaluations']['from_cache']} from the cache)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def equal_memory_ladder(d: Path, ladder: str) -> str:
+    s, rows, ratios = _em(d)
+    rows = [r for r in rows if r["ladder"] == ladder]
+    if not rows:
+        return f"(no rows for ladder {ladder})\n"
+    domains = list(dict.fromkeys(r["domain"] for r in rows))
+    ratio_of = {(r["target_fraction"], r["method"], r["domain"]): r for r in ratios if r["ladder"] == ladder}
+    mix = {(m["ladder"], m["target_fraction"]): m for m in s["uniform_mix"]}
+    header = ["budget (uniform mix)", "method", "bytes used (max over seeds)"]
+    header += [f"KL {dom} [95% CI]" for dom in domains]
+    header += [f"KL / uniform mix, {dom} [95% CI]" for dom in domains]
+    body = []
+    for (frac, method), group in _group(rows, ("target_fraction", "method")).items():
+        m = mix[(ladder, float(frac))]
+        by = {r["domain"]: r for r in group}
+        first = by[domains[0]]
+        label = f"{float(frac):.0%}: {'/'.join(m['layers'])}"
+        used = f"{pct(_f(first, 'fraction_used_max'))}" + (
+            " (paper ladder)" if first["method_ladder"] != ladder else ""
+        )
+        cells = [label, method, used, *(_kl_cell(by[dom]) for dom in domains)]
+        for dom in domains:
+            r = ratio_of.get((frac, method, dom))
+            if r is None:
+                cells.append("1 (baseline)")
+            else:
+                verdict = "" if r["resolved"] == "True" else " not resolved"
+                cells.append(f"{g(_f(r, 'ratio'))} {ci(_f(r, 'ratio_lo'), _f(r, 'ratio_hi'))}{verdict}")
+        body.append(cells)
+    return table(header, body)
+
+
+def equal_memory_equivalence(d: Path) -> str:
+    s, _, _ = _em(d)
+    eq = s["equivalence"]
+    e, p = s["expert_bytes_bf16"], s["pinned_bytes_bf16"]
+    body = []
+    for method, m in eq["methods"].items():
+        f = m["least_fraction"]
+
+        def whole(x):
+            return None if x is None else 1 - (p + x * e) / (p + e)
+
+        body.append(
+            [
+                method,
+                "none on the grid" if f is None else pct(f),
+                ci(m["least_fraction_lo"], m["least_fraction_hi"], pct),
+                "n/a" if f is None else pct(1 - f),
+                "n/a" if f is None else pct(whole(f)),
+                ci(whole(m["least_fraction_hi"]), whole(m["least_fraction_lo"]), pct),
+                ", ".join(f"{pct(pt['fraction'])}: {g(max(pt['ppl_ratio'].values()), 5)}" for pt in m["points"]),
+            ]
+        )
+    header = [
+        "method (our ladder)",
+        "least expert bytes",
+        "95% CI",
+        "saving, experts",
+        "saving, whole model",
+        "95% CI (whole model)",
+        "evaluated: bytes: worst ppl ratio",
+    ]
+    return f"Criterion, fixed before measuring: {eq['criterion']}.\n\n" + table(header, body)
+
+
+def _group(rows: list[dict], keys: tuple[str, ...]) -> dict:
+    out: dict = {}
+    for r in rows:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
+def equal_memory_markdown(d: Path) -> str:
+    s, _, _ = _em(d)
+    parts = ["# Quality at equal bytes actually used (`pwgpu equal-memory`)\n", equal_memory_setup(d)]
+    for ladder, names in s["settings"]["ladders"].items():
+        parts.append(f"\n## Ladder {ladder}: {' > '.join(names)}\n")
+        parts.append(equal_memory_ladder(d, ladder))
+    parts.append("\n## Equivalent quality\n")
+    parts.append(equal_memory_equivalence(d))
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------
+# Served quality (pwgpu served-quality)
+# ------------------------------------------------------------------------------------------
+
+
+def served_setup(d: Path) -> str:
+    s = json.loads((d / "served_quality.json").read_text())
+    w = s["workload"]
+    rt = s["run_time_s"]
+    lengths = w.get("lengths", {})
+    return (
+        f"- scenario `{s['scenario']}` ({s['scenario_name']}): arena {s['budget_bytes'] / 2**20:.0f} MiB for every "
+        f"policy, {w.get('num_requests', '?')} requests, prompt {lengths.get('prompt_tokens', '?')} / output "
+        f"{lengths.get('output_tokens', '?')} tokens; prompts cut from {', '.join(f'`{p}`' for p in s['prompts'])}\n"
+        f"- engine: {s['engine']['latency_model']}; ladders: "
+        + "; ".join(f"{p} {'/'.join(ld)}" for p, ld in s["ladders"].items())
+        + f"\n- run time {rt['total']:.0f} s (engine {rt.get('engine_s', 0):.0f} s, "
+        f"simulator {rt.get('sim_s', 0):.0f} s, re-scoring {rt.get('rescore_s', 0):.0f} s)\n"
+    )
+
+
+def served_table(d: Path) -> str:
+    rows = read_csv(d / "served_quality.csv")
+    header = [
+        "policy",
+        "tokens",
+        "served KL, engine [95% CI]",
+        "time avg",
+        "map KL, replay [95% CI]",
+        "time avg",
+        "proxy, engine run (same steps)",
+        "proxy, simulator",
+        "transitions engine / sim",
+        "tok/s engine / sim",
+        "replay argmax = served",
+    ]
+    body = []
+    for r in rows:
+        body.append(
+            [
+                r["policy"],
+                r["tokens"],
+                f"{g(_f(r, 'kl_engine_mean'))} {ci(_f(r, 'kl_engine_lo'), _f(r, 'kl_engine_hi'))}",
+                g(_f(r, "kl_engine_time_avg")),
+                f"{g(_f(r, 'kl_replay_mean'))} {ci(_f(r, 'kl_replay_lo'), _f(r, 'kl_replay_hi'))}",
+                g(_f(r, "kl_replay_time_avg")),
+                g(_f(r, "proxy_engine_time_avg")),
+                g(_f(r, "proxy_sim_mean_all_steps")),
+                f"{r['transitions_engine']} / {r['transitions_sim']}",
+                f"{_f(r, 'output_throughput_engine'):.1f} / {_f(r, 'output_throughput_sim'):.1f}",
+                pct(_f(r, "argmax_agree_replay")),
+            ]
+        )
+    return table(header, body)
+
+
+def served_correlations(d: Path) -> str:
+    s = json.loads((d / "served_quality.json").read_text())
+    c = s["correlations"]
+    across = c["across_policies"]
+    body = [[k, v["n"], g(v["spearman"]), g(v["pearson_log10"])] for k, v in across.items()]
+    out = table(["measured vs proxy, across policies", "policies", "Spearman", "Pearson of log10"], body)
+    time_rows = []
+    for k, per in c["over_time"].items():
+        time_rows.append([k, *(g(v) for v in per.values())])
+    names = list(next(iter(c["over_time"].values())))
+    out += "\n" + table(["over time (Spearman over time bins)", *names], time_rows)
+    return out
+
+
+def served_markdown(d: Path) -> str:
+    return "\n".join(
+        [
+            "# Served quality at equal memory (`pwgpu served-quality`)\n",
+            served_setup(d),
+            served_table(d),
+            served_correlations(d),
+        ]
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# The registry
+# ------------------------------------------------------------------------------------------
+
+RENDERERS: dict[str, Callable[[Path], str]] = {
+    "exp1": exp1,
+    "exp2-thresholds": exp2_thresholds,
+    "exp2-gains": exp2_gains,
+    "exp3": exp3,
+    "exp4": exp4,
+    "equal-memory-setup": equal_memory_setup,
+    "equal-memory-ours": lambda d: equal_memory_ladder(d, "ours"),
+    "equal-memory-paper": lambda d: equal_memory_ladder(d, "paper"),
+    "equal-memory-equivalence": equal_memory_equivalence,
+    "served-setup": served_setup,
+    "served": served_table,
+    "served-correlations": served_correlations,
+}
+
+
+def register(name: str, fn: Callable[[Path], str]) -> None:
+    RENDERERS[name] = fn
+
+
+def render(name: str, d: Path) -> str:
+    from pagedweight.errors import PagedWeightError
+
+    if name not in RENDERERS:
+        raise PagedWeightError(f"unknown generated block {name!r}; known: {', '.join(RENDERERS)}")
+    return RENDERERS[name](Path(d))
+
+
+def sync(doc: Path, d: Path, write: bool = False) -> list[str]:
+    """Blocks of ``doc`` whose text differs from ``render``; with ``write`` rewrite them.
+    Returns the names that differed (before writing)."""
+    text = Path(doc).read_text()
+    stale = []
+
+    def fill(m: re.Match) -> str:
+        name = m.group("name")
+        body = render(name, d)
+        if body != m.group("body"):
+            stale.append(name)
+        return f"<!-- generated: {name} -->\n{body}<!-- end: {name} -->"
+
+    new = BLOCK.sub(fill, text)
+    if write and new != text:
+        Path(doc).write_text(new)
+    return stale
