@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "eval": "pwgpu.commands.eval",
     "experiments": "pwgpu.commands.experiments",
     "equal-memory": "pwgpu.commands.equal_memory",
+    "served-quality": "pwgpu.commands.served_quality",
     "tables": "pwgpu.commands.tables",
 }
 

@@ -45,6 +45,7 @@ class EngineConfig:
     dtype: str | None = None  # activations and KV; default bfloat16 on cuda, float32 on cpu
     importance: str | None = None  # importance table CSV; default: a synthetic table (marked so)
     moe_kernel: str | None = None  # "triton" or "reference"; default: triton on cuda, reference on cpu
+    precisions: tuple[str, ...] | None = None  # the ladder, most precise first; default bf16, fp8, int8, int4
 
 
 @dataclass(eq=False)
@@ -75,7 +76,7 @@ class Engine:
         # Experts are stored at 16 bits at most: fp16 for fp16 models, else bf16.
         top = "fp16" if self.dtype == torch.float16 else "bf16"
         master_dtype = torch.float16 if top == "fp16" else torch.bfloat16
-        ladder = (top, "fp8", "int8", "int4")
+        ladder = tuple(top if p in ("bf16", "fp16") else p for p in (cfg.precisions or ("bf16", "fp8", "int8", "int4")))
         self.table: ImportanceTable = (
             on_ladder(read_table(cfg.importance), ladder, str(cfg.importance))
             if cfg.importance

@@ -38,6 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--importance", help="importance table CSV (default: a synthetic table)")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prompt-text",
+        nargs="+",
+        metavar="FILE",
+        help="prompts are windows of these texts (request i from file i mod N) instead of random ids; "
+        "also writes tokens.jsonl for re-scoring what was served (pwgpu served-quality)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,59 +80,87 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
     )
-    meta = run_policies(model_dir, trace, base, policies, args.out, args.seed)
+    prompts = None
+    if args.prompt_text:
+        from pwgpu.served import TextPrompts
+
+        prompts = TextPrompts(model_dir, args.prompt_text, args.seed)
+    meta = run_policies(model_dir, trace, base, policies, args.out, args.seed, prompt_source=prompts)
     _print(meta, len(trace), args.out)
     return 0
 
 
 def _run_scenario(args: argparse.Namespace) -> int:
-    """The engine configured exactly as ``pwsim`` configures its RuntimeCore for the scenario."""
+    from pagedweight.errors import PagedWeightError
+
+    if args.trace or args.mem_budget or args.like or args.importance:
+        raise PagedWeightError("--scenario sets the trace, budget, model and importance; drop the other options")
+    policies = [p.strip() for p in args.policies.split(",")] if args.policies else None
+    meta, num_requests = run_scenario(
+        args.scenario, args.out, policies, args.model, args.device, args.dtype, args.prompt_text
+    )
+    _print(meta, num_requests, args.out)
+    return 0
+
+
+def run_scenario(
+    scenario: str | Path,
+    out: str | Path,
+    policies: list[str] | None = None,
+    model: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    prompt_text: list[str] | None = None,
+    overrides: dict[str, dict] | None = None,
+    record_logits: bool = False,
+) -> tuple[dict, int]:
+    """A scenario on the engine, configured exactly as ``pwsim`` configures its RuntimeCore for it
+    (same trace, budget, pages, scheduler, controller, importance table and ladder). Returns the
+    results' summary and the number of requests."""
     import numpy as np
 
     from pagedweight.config.scenario import importance_path, importance_table, load_scenario
     from pagedweight.core.runtime import core_config
-    from pagedweight.errors import PagedWeightError
     from pagedweight.policy.importance import write_table
     from pagedweight.workload.build import build_workload
     from pwgpu.default_model import default_model_dir, random_model_dir
+    from pwgpu.engine import EngineConfig
+    from pwgpu.loader import SCENARIO_DTYPE
+    from pwgpu.offline import run_policies
 
-    if args.trace or args.mem_budget or args.like or args.importance:
-        raise PagedWeightError("--scenario sets the trace, budget, model and importance; drop the other options")
-    loaded = load_scenario(args.scenario, require_latency_table=False)  # the engine times itself
+    loaded = load_scenario(scenario, require_latency_table=False)  # the engine times itself
     sc = loaded.scenario
-    model_dir = args.model or (default_model_dir() if sc.model == "tiny-moe" else random_model_dir(loaded.model, None))
+    model_dir = model or (default_model_dir() if sc.model == "tiny-moe" else random_model_dir(loaded.model, None))
     trace = build_workload(sc.workload, loaded.base_dir, loaded.max_model_len, np.random.default_rng(sc.seed))
     core = core_config(loaded)
-    policies = [p.strip() for p in args.policies.split(",")] if args.policies else list(sc.policies)
+    prompts = None
+    if prompt_text:
+        from pwgpu.served import TextPrompts
+
+        prompts = TextPrompts(model_dir, prompt_text, sc.seed)
     with tempfile.TemporaryDirectory() as tmp:
         importance = importance_path(loaded)
         if importance is None:  # synthetic: hand the engine exactly the table the simulator builds
             importance = Path(tmp) / "importance.csv"
             write_table(importance_table(loaded), importance)
-        meta = _run_scenario_engine(args, loaded, core, model_dir, trace, importance, policies)
-    _print(meta, len(trace), args.out)
-    return 0
-
-
-def _run_scenario_engine(args, loaded, core, model_dir, trace, importance, policies) -> dict:
-    from pwgpu.engine import EngineConfig
-    from pwgpu.loader import SCENARIO_DTYPE
-    from pwgpu.offline import run_policies
-
-    sc = loaded.scenario
-    base = EngineConfig(
-        budget_bytes=loaded.budget_bytes,
-        page_bytes=sc.memory.page_bytes,
-        kv_block_tokens=sc.memory.kv_block_tokens,
-        max_num_batched_tokens=sc.scheduler.max_num_batched_tokens,
-        max_num_seqs=sc.scheduler.max_num_seqs,
-        max_model_len=loaded.max_model_len,
-        controller=core.controller,
-        importance=str(importance),
-        device=args.device,
-        dtype=args.dtype or SCENARIO_DTYPE,
-    )
-    return run_policies(model_dir, trace, base, policies, args.out, sc.seed, scenario=sc.name)
+        base = EngineConfig(
+            budget_bytes=loaded.budget_bytes,
+            page_bytes=sc.memory.page_bytes,
+            kv_block_tokens=sc.memory.kv_block_tokens,
+            max_num_batched_tokens=sc.scheduler.max_num_batched_tokens,
+            max_num_seqs=sc.scheduler.max_num_seqs,
+            max_model_len=loaded.max_model_len,
+            controller=core.controller,
+            importance=str(importance),
+            device=device,
+            dtype=dtype or SCENARIO_DTYPE,
+            precisions=tuple(sc.memory.precisions),
+        )
+        meta = run_policies(
+            model_dir, trace, base, policies or list(sc.policies), out, sc.seed, scenario=sc.name,
+            prompt_source=prompts, overrides=overrides, record_logits=record_logits,
+        )  # fmt: skip
+    return meta, len(trace)
 
 
 def _print(meta: dict, num_requests: int, out: str) -> None:
