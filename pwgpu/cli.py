@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "equal-memory": "pwgpu.commands.equal_memory",
     "served-quality": "pwgpu.commands.served_quality",
     "tables": "pwgpu.commands.tables",
+    "claims": "pwgpu.commands.claims",
 }
 
 main = build_main(

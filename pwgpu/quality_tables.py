@@ -309,7 +309,17 @@ def served_setup(d: Path) -> str:
         f"- engine: {s['engine']['latency_model']}; ladders: "
         + "; ".join(f"{p} {'/'.join(ld)}" for p, ld in s["ladders"].items())
         + f"\n- run time {rt['total']:.0f} s (engine {rt.get('engine_s', 0):.0f} s, "
-        f"simulator {rt.get('sim_s', 0):.0f} s, re-scoring {rt.get('rescore_s', 0):.0f} s)\n"
+        f"simulator {rt.get('sim_s', 0):.0f} s, re-scoring {rt.get('rescore_s', 0):.0f} s)" + _load(s) + "\n"
+    )
+
+
+def _load(s: dict) -> str:
+    la = s.get("load_average")
+    if not la:
+        return ""
+    return (
+        f"; load average {la['start']:.1f} at the start and {la['end']:.1f} at the end on {la['cpus']} CPUs "
+        "(engine tokens/s are wall clock and scale with it)"
     )
 
 

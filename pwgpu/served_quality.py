@@ -29,6 +29,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from pwgpu.served import rescore
 
     start = time.monotonic()
+    load_start = os.getloadavg()[0]
 
     def log(msg):
         print(f"[{time.monotonic() - start:6.0f} s] {msg}", flush=True)
@@ -167,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
         "time_bins": args.time_bins,
         "bootstrap": args.bootstrap,
         "run_time_s": {k: round(v, 1) for k, v in times.items()} | {"total": round(time.monotonic() - start, 1)},
+        # Wall-clock throughput depends on what else the machine runs: the 1-minute load average.
+        "load_average": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()},
     }
     (out / "served_quality.json").write_text(json.dumps(_clean(summary), indent=1, default=_json) + "\n")
     from pwgpu.quality_tables import served_markdown
