@@ -8,6 +8,8 @@
                               (with transitions.csv this gives every expert's precision over time)
       summary.json            run facts + per policy: vLLM benchmark names, weight bytes by precision
       scenario.resolved.yaml  the scenario with every default filled in (when run from a scenario)
+      tokens.jsonl            engine runs with real-text prompts only (pwgpu.served): token ids and
+                              the precision changes in force for every computed chunk
 
 Every file is written atomically (temporary file + rename): an interrupted run never leaves a
 half-written table that a later reader would take for a result.
