@@ -289,7 +289,7 @@ def compute(quality: Path, scoreboard_paths: list[Path]) -> dict:
         json.loads((quality / "served_quality.json").read_text()) if (quality / "served_quality.json").is_file() else {}
     )
     times = {
-        "equal_memory_s": em.get("run_time_s"),
+        "equal_memory_s": em.get("compute_time_s", em.get("run_time_s")),
         "served_quality_s": (sq.get("run_time_s") or {}).get("total"),
         "simulator_scoreboard_s": sim_time,
     }

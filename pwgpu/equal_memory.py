@@ -100,6 +100,7 @@ def layer_costs(model, sel: dict[str, np.ndarray], window: int, cache) -> np.nda
     hit = cache.load(key)
     if hit is not None:
         return hit["cost"]
+    t0 = time.monotonic()
     model.reset()
     rows = [r for ids in sel.values() for r in windows(ids, window)]
     cost = np.zeros((model.num_layers, len(OUR_LADDER)))
@@ -120,7 +121,7 @@ def layer_costs(model, sel: dict[str, np.ndarray], window: int, cache) -> np.nda
                 cost[layer, j] = kl / tokens
             for e in range(model.num_experts):
                 model.set_precision(layer, e, MASTER)
-    cache.save(key, cost=cost)
+    cache.save(key, time.monotonic() - t0, cost=cost)
     return cost
 
 
@@ -161,6 +162,7 @@ class Evaluator:
         self.evaluations += 1
         self.cache.save(
             key,
+            time.monotonic() - t0,
             **{f"{d}.{f}": getattr(s, f) for d, s in stats.items() for f in ("tokens", "kl", "nll_full", "nll_plan")},
         )
         self.log(f"  evaluated a plan in {time.monotonic() - t0:.1f} s")
@@ -335,7 +337,7 @@ def seed_tables(model, texts: dict[str, np.ndarray], args, cache, log) -> list:
         tokens = args.calib_tokens or max(len(v) for v in data.values())
         key = cache.key("table", cache.model_key(model.model_dir), args.calib_window, tokens, *sorted(data.items()))
         path = cache.root / f"{key}.csv"
-        if not path.is_file():
+        if not path.is_file() or cache.load(f"{key}-time") is None:
             t0 = time.monotonic()
             est = calibrate(model, data, tokens, args.calib_window)
             table, _ = build_table(
@@ -346,6 +348,7 @@ def seed_tables(model, texts: dict[str, np.ndarray], args, cache, log) -> list:
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             write_table(table, path)
+            cache.save(f"{key}-time", time.monotonic() - t0)
             log(f"seed {k}: calibrated on {est.tokens:,} tokens in {time.monotonic() - t0:.0f} s")
         tables.append(read_table(path))
     return tables
@@ -404,6 +407,7 @@ def run(args: argparse.Namespace) -> int:
         key = cache.key("noise-floor", data_key)
         hit = cache.load(key)
         if hit is None:
+            t0 = time.monotonic()
             exact = MoeForward(args.model, dtype=torch.float64)
             stats = {}
             for d, rows in ref.rows.items():
@@ -417,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
                         )
                 stats[d] = np.concatenate(kl)
             del exact
-            cache.save(key, **stats)
+            cache.save(key, time.monotonic() - t0, **stats)
             hit = stats
             log("noise floor measured (float64 forward)")
         for d, s in full.items():
@@ -433,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     all_costs = layer_costs(model, selection, args.calib_window, cache)
     log(f"per-layer costs of the uniform mix ready ({time.monotonic() - t0:.0f} s)")
-    rows, ratio_rows, mixes, results = [], [], {}, {}
+    rows, ratio_rows, mixes = [], [], {}
     for ladder_name in ladders:
         ladder = LADDERS[ladder_name]
         ladder_tables = [on_ladder(t, ladder) for t in tables]
@@ -472,7 +476,6 @@ def run(args: argparse.Namespace) -> int:
                     cnt.append(" ".join(f"{p}:{c}" for p, c in plan.counts().items() if c))
                 if stats:
                     per_method[method], bytes_used[method], counts[method] = stats, used_m, cnt
-            results[(ladder_name, frac)] = per_method
             for method, stats in per_method.items():
                 on = "paper" if method == "paper-greedy" else ladder_name
                 mean = seed_mean(stats)
@@ -557,6 +560,9 @@ def run(args: argparse.Namespace) -> int:
         "equivalence": equivalence,
         "evaluations": {"computed": evaluate.evaluations, "from_cache": evaluate.cached},
         "run_time_s": round(run_time, 1),
+        # What every result cost to compute, cached ones included (a rerun from the cache is
+        # fast; this is what a fresh run takes, up to loading the model and the texts).
+        "compute_time_s": round(cache.spent_s, 1),
     }
     write_csv(out / "equal_memory.csv", rows)
     write_csv(out / "equal_memory_ratios.csv", ratio_rows)

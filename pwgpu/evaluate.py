@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -408,10 +409,11 @@ class ReferenceCache:
                     self.ref[d] = list(torch.split(flat, [r.shape[1] for r in rows]))
                     self.ref[d] = [x[None] for x in self.ref[d]]
                     continue
+            t0 = time.monotonic()
             with torch.no_grad():
                 self.ref[d] = [model.logits(r) for r in rows]
             if key is not None:
-                cache.save(key, logits=torch.cat([x[0] for x in self.ref[d]]).numpy())
+                cache.save(key, time.monotonic() - t0, logits=torch.cat([x[0] for x in self.ref[d]]).numpy())
         model.active, model.precision = saved
 
 

@@ -24,8 +24,19 @@ def default_cache_dir() -> Path:
 
 
 class DiskCache:
+    """``spent_s`` adds up the compute time of every distinct entry saved or loaded (entries
+    saved with ``seconds``), once per entry however often it is read, so a rerun served from the
+    cache still reports what a fresh run would have spent computing its results."""
+
     def __init__(self, root: str | Path | None = None):
         self.root = Path(root) if root else default_cache_dir()
+        self.spent_s = 0.0
+        self._counted: set[str] = set()
+
+    def _count(self, key: str, seconds: float) -> None:
+        if key not in self._counted:
+            self._counted.add(key)
+            self.spent_s += seconds
 
     @staticmethod
     def model_key(model_dir: str | Path) -> str:
@@ -64,11 +75,17 @@ class DiskCache:
             return None
         try:
             with np.load(p, allow_pickle=False) as z:
-                return {k: z[k] for k in z.files}
+                out = {k: z[k] for k in z.files}
         except (OSError, ValueError):  # a truncated entry from a killed run: recompute it
             return None
+        self._count(key, float(out.pop("_seconds", 0.0)))
+        return out
 
-    def save(self, key: str, **arrays: np.ndarray) -> None:
+    def save(self, key: str, seconds: float | None = None, **arrays: np.ndarray) -> None:
+        """Store ``arrays``; ``seconds``: what computing them took."""
+        if seconds is not None:
+            self._count(key, seconds)
+            arrays["_seconds"] = np.float64(seconds)
         p = self.path(key)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f".{p.stem}.tmp{os.getpid()}.npz")

@@ -114,6 +114,17 @@ def test_cache_keys_follow_their_parts(tmp_path):
     assert cache.load(a) is None
 
 
+def test_cache_counts_what_each_entry_cost_once(tmp_path):
+    cache = DiskCache(tmp_path)
+    cache.save("x/a", 2.5, v=np.ones(1))
+    cache.save("x/b", None, v=np.ones(1))  # no time recorded: costs nothing
+    assert cache.load("x/a")["v"].tolist() == [1.0]  # the stored time is not returned as data
+    assert cache.spent_s == 2.5  # a read of what this run computed is not counted again
+    rerun = DiskCache(tmp_path)  # a rerun served from the cache reports what its results cost
+    rerun.load("x/a"), rerun.load("x/a"), rerun.load("x/b")
+    assert rerun.spent_s == 2.5
+
+
 def test_paired_bootstrap_of_a_ratio():
     rng = np.random.default_rng(0)
     base = rng.gamma(2.0, 1.0, 200)
