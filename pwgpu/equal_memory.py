@@ -27,8 +27,8 @@ Every comparison is between plans that use the same routed-expert bytes:
 - **Equivalent quality** (defined before measuring): perplexity at most ``1 + --ppl-tolerance``
   times full precision on every evaluation domain. On a grid of budgets (evaluated upwards until
   the upper end of the interval meets it, assuming more bytes never hurt beyond), the least
-  budget that meets it, for ``marginal`` (seed mean) and the uniform mix, with a bootstrap
-  interval of that least budget.
+  budget from which every evaluated budget meets it, for ``marginal`` (seed mean) and the
+  uniform mix, with a bootstrap interval of that least budget.
 
 Evaluations and tables are cached on disk (``pwgpu.qcache``): a stopped run resumes, and a
 rerun recomputes only what changed. Run times are printed and recorded.
@@ -580,7 +580,7 @@ def run(args: argparse.Namespace) -> int:
 def equivalent_budgets(
     model, tables, evaluate, rs, full, grid, tol, expert_bytes_bf16, cache, selection, args, log
 ) -> dict:
-    """The least grid budget at which a method keeps perplexity within ``1 + tol`` of full
+    """The least grid budget from which on a method keeps perplexity within ``1 + tol`` of full
     precision on every domain (seed mean for ``marginal``), with a bootstrap interval; grid
     points are evaluated upwards until one meets it at the upper end of its interval."""
     from pagedweight.errors import AllocationError
@@ -633,17 +633,24 @@ def equivalent_budgets(
             )
             if max(q[d]["ppl_ratio_hi"] for d in full) <= 1 + tol:
                 break  # more bytes are assumed never to hurt: the rest of the grid meets it too
-        least = next((p["fraction"] for p in points if p["meets"]), None)
-        # Per replicate: the least evaluated budget meeting the criterion. Past the last point
-        # evaluated the grid is assumed to meet it when that point met it at its interval's
-        # upper end (the loop stopped there); otherwise the grid ran out: infinity.
+        # The least budget from which every evaluated budget meets the criterion (not merely the
+        # first that does: with sampling noise a lucky low budget can pass while higher ones fail).
+        # Past the last point the grid is assumed to meet it when that point met it at its
+        # interval's upper end (the loop stopped there); otherwise the grid ran out: infinity.
+        if not points:  # no budget of the grid could be planned
+            out["methods"][method] = {"least_fraction": None, "least_fraction_lo": None,
+                                      "least_fraction_hi": None, "points": []}  # fmt: skip
+            continue
         fr = np.array([p["fraction"] for p in points] + [math.inf])
         stopped = bool(points) and max(points[-1]["ppl_ratio_hi"].values()) <= 1 + tol
         if stopped:
             fr[-1] = fr[-2]
+        meets = np.array([p["meets"] for p in points] + [stopped])
+        least_i = _least_suffix(meets[:, None])[0]
+        least = None if math.isinf(fr[least_i]) else float(fr[least_i])
         ok = np.array([p["_reps"] <= 1 + tol for p in points]).reshape(len(points), -1)  # (points, replicates)
-        first = np.where(ok.any(axis=0), ok.argmax(axis=0), len(points)) if len(points) else np.zeros(1, int)
-        least_reps = fr[first]
+        ok = np.vstack([ok, np.full((1, ok.shape[1]), stopped)])
+        least_reps = fr[_least_suffix(ok)]
         lo, hi = (float(np.percentile(least_reps, 2.5)), float(np.percentile(least_reps, 97.5)))
         lo, hi = (None if math.isinf(lo) else lo), (None if math.isinf(hi) else hi)
         for p in points:
@@ -655,6 +662,13 @@ def equivalent_budgets(
             "points": points,
         }
     return out
+
+
+def _least_suffix(ok: np.ndarray) -> np.ndarray:
+    """Per column of ``ok`` (points x replicates, the last row the assumption past the grid):
+    the first row from which every row is True (the last row's index when none is)."""
+    suffix = np.flip(np.logical_and.accumulate(np.flip(ok, 0), 0), 0)
+    return np.where(suffix.any(axis=0), suffix.argmax(axis=0), ok.shape[0] - 1)
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

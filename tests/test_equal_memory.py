@@ -72,3 +72,17 @@ def test_equal_memory_end_to_end_at_toy_scale(tmp_path):
     assert sorted(p.name for p in (out / "tables").iterdir()) == ["seed0.csv", "seed1.csv", "seed2.csv"]
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=1200)
     assert again.returncode == 0 and "(0 plans evaluated" in again.stdout, again.stdout[-1500:]
+
+
+def test_least_equivalent_budget_needs_every_larger_budget_to_meet_it():
+    from pwgpu.equal_memory import _least_suffix
+
+    ok = np.array(
+        [
+            [True, False, True],  # a lucky low budget (column 0) that a larger one fails
+            [False, True, True],
+            [True, True, False],
+            [True, True, False],  # the assumption past the grid
+        ]
+    )
+    assert _least_suffix(ok).tolist() == [2, 1, 3]
