@@ -231,7 +231,8 @@ def rescore(results_dir: str | Path, model_dir: str | Path, cache=None, progress
     results_dir = Path(results_dir)
     logs = read_token_logs(results_dir / "tokens.jsonl")
     steps = pd.read_csv(results_dir / "steps.csv")
-    trans = pd.read_csv(results_dir / "transitions.csv") if (results_dir / "transitions.csv").stat().st_size else None
+    tpath = results_dir / "transitions.csv"
+    trans = pd.read_csv(tpath) if tpath.is_file() and tpath.stat().st_size else None
     torch.set_num_threads(1)  # one token at a time: more threads only wait on each other
     model = MoeForward(model_dir)
     model_key = cache.model_key(model_dir) if cache is not None else None
