@@ -156,7 +156,7 @@ def _metric(metrics: str, prefix: str) -> float:
     return float(line.split()[-1])
 
 
-def _wait_for(url: str, done, what: str, quiet_s: float = 3) -> str:
+def _wait_for(url: str, done, what: str, quiet_s: float = 6) -> str:
     """Poll /metrics until ``done(metrics)``; a hang guard, not a deadline on the server's speed."""
     deadline = time.monotonic() + proc.hang_guard_s(quiet_s)
     while time.monotonic() < deadline:
