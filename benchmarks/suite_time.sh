@@ -5,8 +5,9 @@
 #
 #     bash benchmarks/suite_time.sh           # both; or `as-is` / `hog` for one of them
 #
-# Prints, per run: wall seconds, exit status, pytest's summary lines, and the load average
-# before, during (sampled every 10 s) and after. Logs, with the slowest tests, stay in the
+# Prints, per run: wall seconds, CPU seconds (user + system, children included: about what the
+# run takes on a quiet machine, where nothing else competes for the cores), exit status,
+# pytest's summary lines, and the load average before, during (sampled every 10 s) and after. Logs, with the slowest tests, stay in the
 # printed folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,12 +32,13 @@ timed() {  # label: run `make check`, print one summary block, return its status
   start=$SECONDS
   (while sleep 10; do cut -d' ' -f1 /proc/loadavg; done) >"$logs/$label.load" &
   local sampler=$!
-  PYTEST_ADDOPTS="--durations=12" make -s check >"$log" 2>&1  # the slowest tests go into the log
+  local TIMEFORMAT='%U %S'  # user and system CPU seconds of make and every process it waited for
+  { time PYTEST_ADDOPTS="--durations=12" make -s check >"$log" 2>&1; } 2>"$logs/$label.cpu"  # slowest tests: log
   rc=$?
   kill "$sampler" 2>/dev/null
   wait "$sampler" 2>/dev/null
-  printf '%-8s %5d s  exit %d  load average (1 min) before %s, during mean %s max %s, after %s\n' "$label" \
-    $((SECONDS - start)) "$rc" "${load_before%% *}" \
+  printf '%-8s %5d s wall, %5.0f s CPU  exit %d  load average (1 min) before %s, during mean %s max %s, after %s\n' \
+    "$label" $((SECONDS - start)) "$(awk '{print $1 + $2}' "$logs/$label.cpu")" "$rc" "${load_before%% *}" \
     "$(awk '{s += $1; n++} END {printf "%.1f", n ? s / n : 0}' "$logs/$label.load")" \
     "$(sort -g "$logs/$label.load" | tail -1)" "$(cut -d' ' -f1 /proc/loadavg)"
   grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$log" | sed 's/^/         /'
