@@ -7,6 +7,8 @@ workers) cannot outlive its test.
 
 A ``timeout`` here is a hang guard, never a speed check: each call states ``quiet_s``, how long the
 command takes on a quiet 2-core machine, and is stopped only after ``HANG_FACTOR`` times that.
+The ``quiet_s`` figures are times measured on the 2-core development VM at its quietest (load
+average about 3), rounded up, and never below 3 s (a cold Python start with numpy and pandas).
 
 Every process started by the test run carries ``SESSION_ENV`` in its environment (tests/conftest.py
 sets it before any test); at the end of the run conftest looks for processes that still carry it.
