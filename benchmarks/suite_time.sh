@@ -7,8 +7,8 @@
 #
 # Prints, per run: wall seconds, CPU seconds (user + system, children included: about what the
 # run takes on a quiet machine, where nothing else competes for the cores), exit status,
-# pytest's summary lines, and the load average before, during (sampled every 10 s) and after. Logs, with the slowest tests, stay in the
-# printed folder.
+# pytest's summary lines, and the load average before, during (sampled every 10 s) and after.
+# Logs, with the slowest tests, stay in the printed folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 which=${1:-both}
