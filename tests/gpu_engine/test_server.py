@@ -22,6 +22,7 @@ import proc
 
 API_KEY = "test-key"
 MAX_PENDING = 4
+HTTP_TIMEOUT_S = 60  # every client call's hang guard (httpx's default, 5 s, is a speed check on a busy machine)
 START_QUIET_S = 12  # a server up and healthy, checkpoint written, on a quiet 2-core machine
 
 
@@ -89,6 +90,10 @@ def _headers():
     return {"Authorization": f"Bearer {API_KEY}"}
 
 
+def _post(url: str, **kw) -> httpx.Response:
+    return httpx.post(url, timeout=HTTP_TIMEOUT_S, **kw)
+
+
 @pytest.mark.e2e
 def test_models_and_completions(client):
     model = client.models.list().data[0].id
@@ -125,13 +130,13 @@ def test_error_statuses_and_server_keeps_serving(server, client):
     url = server[0]
     h = _headers()
     cases = [
-        (httpx.post(f"{url}/v1/completions", content=b"{not json", headers=h), 400),
-        (httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": -3}, headers=h), 400),
-        (httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, headers=h), 400),
-        (httpx.post(f"{url}/v1/completions", json={"prompt": [1] * 600}, headers=h), 413),
-        (httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 600}, headers=h), 400),
-        (httpx.post(f"{url}/v1/completions", json={"prompt": "x"}), 401),
-        (httpx.post(f"{url}/v1/completions", content=b"x" * (2 << 20), headers=h), 413),
+        (_post(f"{url}/v1/completions", content=b"{not json", headers=h), 400),
+        (_post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": -3}, headers=h), 400),
+        (_post(f"{url}/v1/chat/completions", json={"messages": []}, headers=h), 400),
+        (_post(f"{url}/v1/completions", json={"prompt": [1] * 600}, headers=h), 413),
+        (_post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 600}, headers=h), 400),
+        (_post(f"{url}/v1/completions", json={"prompt": "x"}), 401),
+        (_post(f"{url}/v1/completions", content=b"x" * (2 << 20), headers=h), 413),
     ]
     for resp, status in cases:
         assert resp.status_code == status, resp.text
@@ -160,7 +165,7 @@ def _wait_for(url: str, done, what: str, quiet_s: float = 6) -> str:
     """Poll /metrics until ``done(metrics)``; a hang guard, not a deadline on the server's speed."""
     deadline = time.monotonic() + proc.hang_guard_s(quiet_s)
     while time.monotonic() < deadline:
-        metrics = httpx.get(f"{url}/metrics").text
+        metrics = httpx.get(f"{url}/metrics", timeout=HTTP_TIMEOUT_S).text
         if done(metrics):
             return metrics
         time.sleep(0.2)
