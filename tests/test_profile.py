@@ -2,7 +2,6 @@
 it writes must load with read_kernel_table and hold full rectilinear grids per op, which is
 what pwsim's table latency model needs."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,8 @@ import pytest
 
 from pagedweight.config.kernel_table import COLUMNS, read_kernel_table
 from pagedweight.core.spec import load_model
+
+import proc
 
 pytest.importorskip("torch")
 
@@ -31,12 +32,13 @@ def table(tmp_path_factory):
     out = tmp_path_factory.mktemp("kernels") / "cpu.csv"
     cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--model", "tiny-moe", "--out", str(out), "--grid", "small",
            "--device", "cpu", "--precisions", ",".join(PRECISIONS)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = proc.run(cmd, quiet_s=15)
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout
     return read_kernel_table(out)
 
 
+@pytest.mark.e2e
 def test_table_has_schema_meta_and_every_op(table):
     df, meta = table
     assert list(df.columns) == list(COLUMNS)
@@ -46,6 +48,7 @@ def test_table_has_schema_meta_and_every_op(table):
     assert (df["latency_us_p20"] <= df["latency_us_p50"]).all() and (df["latency_us_p50"] <= df["latency_us_p80"]).all()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("op,x,y", GRID_KEYS)
 def test_each_op_is_a_full_grid(table, op, x, y):
     df, _ = table
@@ -56,6 +59,7 @@ def test_each_op_is_a_full_grid(table, op, x, y):
         assert len(part) == xs * ys, f"{op}: {len(part)} rows for a {xs} x {ys} grid"
 
 
+@pytest.mark.e2e
 def test_moe_rows_cover_precisions_and_expert_counts(table):
     df, _ = table
     spec = load_model("tiny-moe")
@@ -73,7 +77,7 @@ def test_moe_rows_cover_precisions_and_expert_counts(table):
 def test_unknown_op_is_a_usage_error(tmp_path):
     cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--model", "tiny-moe", "--out", str(tmp_path / "x.csv"),
            "--ops", "moe_ffn,warp_drive"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = proc.run(cmd, quiet_s=5)
     assert done.returncode == 2 and "warp_drive" in done.stderr
 
 
@@ -88,6 +92,7 @@ def test_fitted_grid_covers_the_scheduler_limits():
     assert g.dense_m[-1] == 1000
 
 
+@pytest.mark.e2e
 def test_a_table_fitted_to_a_scenario_times_all_of_it(tmp_path):
     """`pwgpu profile --scenario`: the simulator then never leaves the measured grid."""
     import yaml
@@ -106,7 +111,7 @@ def test_a_table_fitted_to_a_scenario_times_all_of_it(tmp_path):
     out = tmp_path / "cpu.csv"
     cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--scenario", str(scenario), "--out", str(out),
            "--device", "cpu"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = proc.run(cmd, quiet_s=100)
     assert done.returncode == 0, done.stderr
     df, meta = read_kernel_table(tmp_path / "cpu.csv")
     assert meta["grid"].startswith("fitted to") and meta["dtype"] == "bfloat16"

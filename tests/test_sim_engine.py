@@ -1,7 +1,5 @@
-"""The SimPy runtime: determinism, same-time event ordering, a hand-checked run, a golden run."""
-
-import json
-from pathlib import Path
+"""The SimPy runtime: determinism, same-time event ordering, a hand-checked run, a golden run
+(tests/golden.py says how the golden file is written; no test writes it)."""
 
 import numpy as np
 import pandas as pd
@@ -13,31 +11,7 @@ from pagedweight.config.scenario import load_scenario
 from pwsim.engine import UrgentTimeout
 from pwsim.run import run_scenario
 
-FIXTURES = Path(__file__).parent / "fixtures"
-GOLDEN = FIXTURES / "golden" / "good_summary.json"
-# The tiny model in a budget that forces KV pressure: every policy has something to do.
-PRESSURE = (
-    "memory.budget=40 MiB",
-    "memory.page_bytes=16 KiB",
-    "memory.kv_block_tokens=8",
-    "workload.num_requests=150",
-    "workload.arrival.rate_qps=400",
-    "workload.lengths.prompt_tokens=600",
-)
-GOLDEN_KEYS = (
-    "completed",
-    "total_output_tokens",
-    "num_preemptions",
-    "num_steps",
-    "request_throughput",
-    "output_throughput",
-    "mean_ttft_ms",
-    "p99_ttft_ms",
-    "mean_tpot_ms",
-    "mean_quality_proxy",
-    "num_downgrades",
-    "num_upgrades",
-)
+from golden import FIXTURES, PRESSURE, golden_scenario, golden_view, read_golden
 
 
 def scenario(tmp_path, **overrides):
@@ -111,27 +85,13 @@ def test_constant_latency_throughput_by_hand(tmp_path):
     assert s["mean_ttft_ms"] == pytest.approx(10.0, abs=1e-3) and s["mean_tpot_ms"] == pytest.approx(10.0, abs=1e-3)
 
 
-def _golden_view(summary):
-    return {p: {k: round(v[k], 6) if isinstance(v[k], float) else v[k] for k in GOLDEN_KEYS}
-            for p, v in summary["policies"].items()}  # fmt: skip
-
-
 def test_same_seed_same_results_and_golden_summary(tmp_path):
-    overrides = [
-        *PRESSURE,
-        "workload.lengths.output_tokens=60",
-        "policies=[static-fp16, static-int4, paper-greedy, pagedweight]",
-    ]
-    loaded = load_scenario(FIXTURES / "scenarios" / "good.yaml", overrides)  # fmt: skip
+    loaded = golden_scenario()
     first = run_scenario(loaded, tmp_path / "a", report=False)
     second = run_scenario(loaded, tmp_path / "b", report=False)
-    assert _golden_view(first) == _golden_view(second)
+    assert golden_view(first) == golden_view(second)
     assert (tmp_path / "a" / "steps.csv").read_text() == (tmp_path / "b" / "steps.csv").read_text()
-    if not GOLDEN.exists():  # a new schema: write the file for review, and fail until it is committed
-        GOLDEN.parent.mkdir(exist_ok=True)
-        GOLDEN.write_text(json.dumps(_golden_view(first), indent=2, sort_keys=True) + "\n")
-        pytest.fail(f"{GOLDEN} was missing; written now: review it, commit it and run again")
-    assert _golden_view(first) == json.loads(GOLDEN.read_text())
+    assert golden_view(first) == read_golden()
 
 
 def test_kv_swap_moves_kv_over_pcie_and_records_it(tmp_path):

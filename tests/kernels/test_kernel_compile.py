@@ -5,11 +5,12 @@ the CPU-side guard for the GPU path; it also checks that weight tiles still load
 async copies (a lost alignment hint silently turns them into 1-byte loads)."""
 
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
+
+import proc
 
 SCRIPT = textwrap.dedent(
     """
@@ -57,13 +58,14 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 def test_kernels_compile_for_sm90_with_vector_loads(tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     script = tmp_path / "compile_sm90.py"
     script.write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    done = proc.run([sys.executable, str(script)], env=env, quiet_s=15)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.rsplit(" ", 1) for line in done.stdout.splitlines() if line.startswith("gemm"))
     for prec in ("bf16", "fp8", "int4"):  # the per-row-chunk and packed paths: 16-byte weight copies
