@@ -27,7 +27,7 @@ from pagedweight.results.writer import ResultsWriter, policy_summary
 from pwgpu.attention import PagedKvCache, build_batch
 from pwgpu.loader import DTYPES, default_dtype_name, expert_masters, load_checkpoint, pinned_weights
 from pwgpu.model import MoeTransformer
-from pwgpu.sampling import SamplingParams, sample
+from pwgpu.sampling import RequestSampler, SamplingParams, TokenLogprobs, sample
 from pwgpu.weights import WeightStore
 
 
@@ -57,7 +57,8 @@ class EngineRequest:
     on_event: Callable[[EngineRequest, list[int], bool], None] | None = None  # (request, new ids, finished)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    sampler: RequestSampler | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
 
 
 class Engine:
@@ -133,8 +134,7 @@ class Engine:
                       params.max_tokens)  # fmt: skip
         self._next_id += 1
         er = EngineRequest(req, list(prompt_ids), params, on_event)
-        if params.seed is not None:
-            er.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        er.sampler = RequestSampler(params, er.prompt_ids, self.arch.vocab_size, self.device, self.arch.eos_token_ids)
         bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
         if bad:
             req.state, req.reject_reason = (
@@ -150,9 +150,9 @@ class Engine:
         self._by_req[req.request_id] = er
         return er
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, on_event) -> None:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_event, arrival_s: float | None = None) -> None:
         """Thread-safe ``add``: taken in at the start of the next step."""
-        self._inbox.put(("add", prompt_ids, params, on_event))
+        self._inbox.put(("add", prompt_ids, params, on_event, arrival_s))
 
     def cancel(self, er: EngineRequest | None, on_event=None) -> None:
         """Thread-safe abort (the client went away); frees the request's KV at the next step."""
@@ -236,10 +236,13 @@ class Engine:
         if not ers:
             return []
         logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
-        tokens = sample(logits, [er.params for er in ers], [er.generator for er in ers])
+        tokens, logprobs = sample(logits, [er.sampler for er in ers])
         out = []
-        for er, tok in zip(ers, tokens, strict=True):
+        for er, tok, lp in zip(ers, tokens, logprobs, strict=True):
             er.output_ids.append(tok)
+            er.sampler.observe(tok)
+            if lp is not None:
+                er.logprobs.append(lp)
             p = er.params
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.arch.eos_token_ids):
                 er.req.stop_early = True
