@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,9 @@ class EngineConfig:
     dtype: str | None = None  # activations and KV; default bfloat16 on cuda, float32 on cpu
     importance: str | None = None  # importance table CSV; default: a synthetic table (marked so)
     moe_kernel: str | None = None  # "triton" or "reference"; default: triton on cuda, reference on cpu
+    # Keep only the newest this many request records, steps and transitions (a server runs for
+    # days; its results then cover the window); None keeps all (offline runs).
+    history_window: int | None = None
 
 
 @dataclass(eq=False)
@@ -99,6 +103,7 @@ class Engine:
             kv_block_tokens=cfg.kv_block_tokens,
             scheduler=SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len),
             controller=cfg.controller,
+            history_window=cfg.history_window,
         )
         self.store = WeightStore(expert_masters(ckpt, master_dtype), self.page_bytes, self.device, cfg.moe_kernel)
         self._t0 = time.perf_counter()
@@ -111,9 +116,9 @@ class Engine:
             self.store.arena, self.page_bytes, cfg.kv_block_tokens, kv.blocks_per_page,
             arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype,
         )  # fmt: skip
-        # Every request's scheduler record, for the results (not its token ids: a server runs
-        # for days).
-        self.records: list[Request] = []
+        # The scheduler records of the requests (of the newest ``history_window`` with one), for
+        # the results; not their token ids.
+        self.records: list[Request] | deque[Request] = deque(maxlen=cfg.history_window) if cfg.history_window else []
         self._by_req: dict[int, EngineRequest] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._next_id = 0
@@ -269,7 +274,13 @@ class Engine:
     # ---- results ----------------------------------------------------------------------------
     def write_results(self, out_dir: str | Path, scenario: str = "serve", trace: dict | None = None) -> dict:
         """The results directory ``pagedweight.results.report`` reads (runtime ``pwgpu``)."""
-        reqs = self.records
+        reqs = list(self.records)
+        notes = []
+        if len(reqs) < self._next_id:
+            steps = self.core.steps
+            window = f"history window {self.cfg.history_window}"
+            notes.append(f"the newest {len(reqs)} of {self._next_id} requests, {len(steps)} of {steps.num_recorded} "
+                         f"steps ({window})")  # fmt: skip
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         writer = ResultsWriter(
             Path(out_dir),
@@ -284,7 +295,7 @@ class Engine:
                 "importance": self.table.provenance,
                 # Small pinned tensors the spec does not count (biases, full-width q/k norms).
                 "pinned_outside_arena_bytes": self.store.pinned_outside_bytes,
-                "trace": trace or {"source": "live requests", "num_requests": len(reqs), "notes": []},
+                "trace": trace or {"source": "live requests", "num_requests": len(reqs), "notes": notes},
             },
         )
         summary = policy_summary(reqs, self.core, Slo(), self.now(), self.store.h2d_bytes)

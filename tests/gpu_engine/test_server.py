@@ -1,12 +1,7 @@
 """``pwgpu serve`` on loopback, driven by the official ``openai`` client and raw HTTP; then
 ``pwgpu replay`` of a short trace against it."""
 
-import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,44 +9,9 @@ import httpx
 import numpy as np
 import pandas as pd
 import pytest
+from server_process import API_KEY, serve
 
-API_KEY = "test-key"
 MAX_PENDING = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve(tmp, *args):
-    """A ``pwgpu serve`` process (default model, free loopback port) writing results to tmp/results;
-    yields (url, process)."""
-    port = _free_port()
-    env = dict(os.environ, PAGEDWEIGHT_CACHE=str(tmp / "cache"), PWGPU_API_KEY=API_KEY)
-    cmd = [sys.executable, "-m", "pwgpu.cli", "serve", "--port", str(port), "--out", str(tmp / "results"), *args]
-    with open(tmp / "server.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited: {(tmp / 'server.log').read_text()}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.3)
-            else:
-                raise RuntimeError("server did not become healthy within 120 s")
-            yield url, proc
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
