@@ -127,21 +127,35 @@ def error_body(status: int, message: str, kind: str, param: str | None = None) -
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def _path(loc) -> str:
-    # pydantic names the union member it tried ("str", "list[int]"); the client named a field.
-    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "dict")))]
-    return ".".join(parts) or "body"
+_UNION_TAGS = ("str", "int", "float", "bool", "dict", "list", "none")
+
+
+def _split_union(loc) -> tuple[str, str | None]:
+    """(field path, the union member pydantic tried or None): pydantic puts the member's type
+    ("str", "list[int]") in the location; the client only named the field."""
+    parts = []
+    for p in loc:
+        if isinstance(p, str) and ("[" in p or p in _UNION_TAGS or p.startswith("function-")):
+            return ".".join(parts) or "body", p
+        parts.append(str(p))
+    return ".".join(parts) or "body", None
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str]:
     """One line naming each wrong field once, and the first field's name."""
     seen: dict[str, str] = {}
+    unions: dict[str, list[str]] = {}
     for err in e.errors():
-        path = _path(err["loc"])
-        if err["type"] == "extra_forbidden":
+        path, member = _split_union(err["loc"])
+        if member is not None:
+            unions.setdefault(path, []).append(member)
+            seen.setdefault(path, "")
+        elif err["type"] == "extra_forbidden":
             seen.setdefault(path, "unknown field (not supported by this server)")
         else:
             seen.setdefault(path, err["msg"])
+    for path, members in unions.items():
+        seen[path] = "wrong type; expected one of " + ", ".join(dict.fromkeys(members))
     first = next(iter(seen))
     return "; ".join(f"{p}: {m}" for p, m in list(seen.items())[:4]), first
 
@@ -393,14 +407,19 @@ def build_app(runner: EngineThread, tokenizer: Tokenizer | None, settings: Serve
             return name, name.encode() if tokenizer is None else tokenizer.token_bytes(token_id)
         return tokenizer.token_text(token_id), tokenizer.token_bytes(token_id)
 
-    def decode_piece(decoder: IncrementalDecoder, ids: list[int], lps: list[TokenLogprobs] | None, last: bool,
-                     as_ids: bool):  # fmt: skip
-        """Worker thread: the text of new tokens (all of it when ``last``) and, with
-        log-probabilities, each token's text (or ``token_id:N`` when ``as_ids``) and bytes."""
-        delta = decoder.push(ids) + (decoder.flush() if last else "")
-        if lps is None:
-            return delta, None
-        return delta, [(lp, token_of(lp.token_id, as_ids), [token_of(t, as_ids) for t, _ in lp.top]) for lp in lps]
+    def decode_events(decoder: IncrementalDecoder, events: list[tuple], as_ids: bool) -> list[tuple]:
+        """Worker thread: for each event (new ids, their log-probabilities, finished), the text of
+        the new tokens (all that is left when finished) and, with log-probabilities, each
+        token's text (or ``token_id:N`` when ``as_ids``) and bytes."""
+        out = []
+        for ids, lps, done in events:
+            delta = decoder.push(ids) + (decoder.flush() if done else "")
+            if lps is None:
+                out.append((delta, None))
+            else:
+                out.append((delta, [(lp, token_of(lp.token_id, as_ids), [token_of(t, as_ids) for t, _ in lp.top])
+                                    for lp in lps]))  # fmt: skip
+        return out
 
     async def generate(request: Request, prompt_ids: list[int], c: Choice) -> AsyncIterator[Piece]:
         """Pieces of one choice until it finishes; aborts it in the engine if the client goes
@@ -422,44 +441,42 @@ def build_app(runner: EngineThread, tokenizer: Tokenizer | None, settings: Serve
                         return
                 if item is None:
                     continue
-                # Take every event already queued: one decode for all of them.
-                er, ids, lps, engine_done = item[0], list(item[1]), item[2], item[3]
+                # Every event already queued is decoded in one trip to the pool, and still
+                # handed out as one piece each (clients time tokens by chunks).
+                er, engine_done, events = item[0], item[3], [item[1:]]
                 while not engine_done and not q.empty():
-                    _, more_ids, more_lps, engine_done = q.get_nowait()
-                    ids += more_ids
-                    lps = None if more_lps is None and lps is None else (lps or []) + (more_lps or [])
+                    more = q.get_nowait()
+                    events.append(more[1:])
+                    engine_done = more[3]
                 if er.finish_reason == "rejected":
                     raise ApiError(400, er.req.reject_reason or "rejected")
                 if er.finish_reason == "error":
                     raise ApiError(503, f"engine failed: {runner.error}", "server_error")
-                reason = er.finish_reason if engine_done else None
-                as_ids = bool(c.tokens_as_ids)
-                delta, lp_texts = (
-                    await off_loop(decode_piece, decoder, ids, lps, engine_done, as_ids) if ids else ("", None)
-                )
+                decoded = await off_loop(decode_events, decoder, events, c.tokens_as_ids)
                 now = eng.now()
-                if ids:
-                    t = c.timing
-                    if c.num_tokens == 0:
-                        t.first_token_s = now
-                        metrics.first_token(t)
-                        if len(ids) > 1:
-                            metrics.token_gap(0.0, len(ids) - 1)
-                    else:
-                        metrics.token_gap(now - c.last_token_s, len(ids))
-                    c.last_token_s = now
-                    c.num_tokens += len(ids)
-                if c.num_tokens >= c.params.min_tokens:
-                    cut = first_stop(c.text, delta, c.stops)
-                    if cut is not None:  # a stop string: cut the text before it and end the request
-                        delta = (c.text + delta)[:cut][len(c.text) :]
-                        reason = "stop"
-                c.text += delta
-                if reason is not None:
-                    c.finish_reason = reason
-                yield Piece(delta, ids, lp_texts, reason)
-                if reason is not None:
-                    return
+                for (ids, _, done), (delta, lp_texts) in zip(events, decoded, strict=True):
+                    reason = er.finish_reason if done else None
+                    if ids:
+                        if c.num_tokens == 0:
+                            c.timing.first_token_s = now
+                            metrics.first_token(c.timing)
+                            if len(ids) > 1:
+                                metrics.token_gap(0.0, len(ids) - 1)
+                        else:
+                            metrics.token_gap(now - c.last_token_s, len(ids))
+                        c.last_token_s = now
+                        c.num_tokens += len(ids)
+                    if c.num_tokens >= c.params.min_tokens:
+                        cut = first_stop(c.text, delta, c.stops)
+                        if cut is not None:  # a stop string: cut the text before it and end the request
+                            delta = (c.text + delta)[:cut][len(c.text) :]
+                            reason = "stop"
+                    c.text += delta
+                    if reason is not None:
+                        c.finish_reason = reason
+                    yield Piece(delta, ids, lp_texts, reason)
+                    if reason is not None:
+                        return
         finally:
             if not engine_done:
                 runner.cancel(on_event)
