@@ -8,6 +8,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 API_KEY = "test-key"
 
@@ -49,3 +50,23 @@ def serve(tmp, *args):
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The value of one series in Prometheus text."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name} {labels} not in the metrics")
+
+
+def wait_for_metrics(url: str, ready, what: str, timeout_s: float = 90) -> str:
+    """Poll /metrics until ``ready(text)``; a hang guard, not a speed check (a loaded 2-core
+    machine took over 30 s to free KV once)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics").text
+        if ready(text):
+            return text
+        time.sleep(0.1)
+    pytest.fail(f"{what} within {timeout_s} s:\n{text}")

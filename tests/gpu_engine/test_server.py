@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pandas as pd
 import pytest
-from server_process import API_KEY, serve
+from server_process import API_KEY, metric, serve, wait_for_metrics
 
 MAX_PENDING = 4
 
@@ -88,26 +88,6 @@ def test_error_statuses_and_server_keeps_serving(server, client):
     assert codes.count(429) >= 1 and codes.count(200) >= 1 and set(codes) <= {200, 429}
     r = client.completions.create(model=client.models.list().data[0].id, prompt="ok", max_tokens=2)
     assert r.usage.completion_tokens >= 1
-
-
-def metric(text: str, name: str, **labels) -> float:
-    """The value of one series in Prometheus text."""
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(f"{name} {labels} not in the metrics")
-
-
-def wait_for_metrics(url: str, ready, what: str, timeout_s: float = 90) -> str:
-    """Poll /metrics until ``ready(text)``; a hang guard, not a speed check (a loaded 2-core
-    machine took over 30 s to free KV once)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = httpx.get(f"{url}/metrics").text
-        if ready(text):
-            return text
-        time.sleep(0.1)
-    pytest.fail(f"{what} within {timeout_s} s:\n{text}")
 
 
 def test_disconnect_frees_kv(server):
