@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -238,7 +238,6 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     last_token_s: float | None = None
-    logprobs: list = field(default_factory=list)
 
 
 def build_app(runner: EngineThread, tokenizer: Tokenizer | None, settings: ServerSettings):
