@@ -148,12 +148,15 @@ def sample(logits: torch.Tensor, samplers: list[RequestSampler]) -> tuple[list[i
     """logits [B, V] -> one token id per request, and its log-probabilities where asked for.
     Call each sampler's ``observe`` with its token afterwards."""
     logits = logits.float()
-    changed = [s.changes_logits for s in samplers]
-    rows = [s.adjust(logits[i]) if changed[i] else logits[i] for i, s in enumerate(samplers)]
-    adjusted = torch.stack(rows) if any(changed) else logits
+    adjusted = logits
+    changed = [i for i, s in enumerate(samplers) if s.changes_logits]
+    if changed:  # the common case (no penalty, no min_tokens) skips this and every row view
+        adjusted = logits.clone()
+        for i in changed:
+            adjusted[i] = samplers[i].adjust(logits[i])
     greedy = adjusted.argmax(dim=-1).tolist()
     tokens = [
-        greedy[i] if s.params.temperature == 0 else _draw(rows[i], s.params, s.generator)
+        greedy[i] if s.params.temperature == 0 else _draw(adjusted[i], s.params, s.generator)
         for i, s in enumerate(samplers)
     ]
     out: list[TokenLogprobs | None] = [None] * len(samplers)
