@@ -9,7 +9,7 @@ deps:  ## the CPU build of torch first (a plain `torch` requirement pulls a CUDA
 
 check:  ## both test tiers, nothing installed: the default tier, then the end-to-end one
 	$(PY) -m pytest
-	$(PY) -m pytest -m e2e
+	$(PY) -m pytest -m 'e2e and not slow and not gpu'
 
 run:  ## install the simulator and run the main scenario
 	$(PY) -m pip install -q -e . && pwsim run scenarios/longctx.yaml
