@@ -146,6 +146,14 @@ def test_synthetic_table_shape_bytes_and_marking():
     assert QUANT_NOISE["int3"] / QUANT_NOISE["int4"] == 4.0
 
 
+def test_synthetic_losses_of_an_fp8_checkpoint_are_against_its_fp8_experts():
+    model = load_model("deepseek-v3")
+    t = synthetic_table(model, ("int4", "fp8-b128"), seed=0)
+    assert t.ladder == ("fp8-b128", "int4")
+    assert (t.dloss[:, 0] == 0).all() and (t.dloss[:, 1] > 0).all()  # the FP8 checkpoint is the reference
+    assert (t.bytes[:, 0] == model.expert_bytes("fp8-b128")).all()
+
+
 def test_zipf_exponent_controls_routing_skew():
     model = load_model("deepseek-v3")
 
