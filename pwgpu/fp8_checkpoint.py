@@ -74,7 +74,8 @@ def check(
 def to_blob(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The checkpoint's E4M3 codes and scales as one ``fp8-b128`` blob, uint8 [N * K + 4 * BN * BK]."""
     n, k = weight.shape
-    blob = torch.cat([weight.contiguous().view(torch.uint8).reshape(-1), scale.float().contiguous().view(torch.uint8)])
+    codes = weight.contiguous().view(torch.uint8).reshape(-1)
+    blob = torch.cat([codes, scale.float().contiguous().view(torch.uint8).reshape(-1)])
     if blob.numel() != matrix_layout(PRECISION, n, k).total_bytes:
         raise AssertionError(f"fp8-b128 blob of [{n}, {k}] has {blob.numel()} bytes")
     return blob

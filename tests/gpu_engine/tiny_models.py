@@ -1,6 +1,8 @@
 """Tiny random checkpoints of every family, saved by ``transformers``, and our model built from
 one with dense experts and a standalone paged KV cache: what the engine tests compare."""
 
+import json
+
 import torch
 
 from pwgpu.attention import PagedKvCache, build_batch
@@ -106,3 +108,46 @@ def greedy(model, kv, blocks, prompt, steps):
         logits = run(model, kv, blocks, [tok], n)
         n += 1
     return out
+
+
+def write_fp8_checkpoint(family: str, path, seed: int = 0, **overrides):
+    """A random ``family`` model as an FP8 block-scaled checkpoint, like DeepSeek-V3 ships: every
+    linear layer's weight (attention, dense and shared FFNs, routed experts) as E4M3 codes with a
+    ``weight_scale_inv`` per 128 x 128 block; embeddings, norms, routers and lm_head as they were.
+    Returns the HF model holding exactly the dequantised weights (the reference)."""
+    from safetensors.torch import load_file, save_file
+
+    from pwgpu import fp8_checkpoint as fp8
+
+    hf = make_checkpoint(family, path, seed=seed, **overrides)
+    tensors = load_file(str(path / "model.safetensors"))
+    params = dict(hf.named_parameters())
+    skip = ("embed_tokens", "norm", ".gate.weight", "lm_head")
+    for name in [n for n, t in tensors.items() if t.dim() == 2 and not any(s in n for s in skip)]:
+        codes, scales = fp8.quantize(tensors[name])
+        tensors[name], tensors[fp8.scale_name(name)] = codes, scales
+        dequantised = fp8.dequantize(codes, scales, torch.float32)
+        _set_hf_weight(hf, params, name, dequantised)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return hf
+
+
+def _set_hf_weight(hf, params, name, value):
+    """Put a checkpoint tensor's value into the HF model; transformers 5 stacks routed experts as
+    ``experts.gate_up_proj [E, 2F, H]`` and ``experts.down_proj [E, H, F]``."""
+    with torch.no_grad():
+        if name in params:
+            params[name].copy_(value)
+            return
+        *path, e, proj, _ = name.split(".")  # ...mlp.experts.<e>.<proj>.weight
+        prefix, e = ".".join(path), int(e)
+        if proj == "down_proj":
+            params[f"{prefix}.down_proj"][e].copy_(value)
+        else:
+            f = value.shape[0]
+            rows = slice(0, f) if proj == "gate_proj" else slice(f, 2 * f)
+            params[f"{prefix}.gate_up_proj"][e, rows].copy_(value)
