@@ -506,15 +506,27 @@ def dense_expert_weights(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[list, li
 def expert_masters(ckpt: Checkpoint, compute_dtype: torch.dtype):
     """The host master copy of the routed experts (``pwgpu.weights.ExpertMasters``): the FP8
     checkpoint's own bytes when its experts are FP8 (``fp8-b128``), else 16-bit (fp16 for fp16
-    models, else bf16)."""
-    from pwgpu.weights import ExpertMasters
-
+    models, else bf16). Takes the routed experts out of ``ckpt``: they are most of a large
+    model's bytes, and a second host copy of them would double its host memory."""
     a = ckpt.arch
     routed = [expert_names(a, i, e) for i in range(a.num_dense_layers, a.num_layers) for e in range(a.num_experts)]
     quantized = [ckpt.is_fp8(n) for names in routed for n in names]
     if any(quantized) and not all(quantized):
         raise CheckpointError(f"{ckpt.path}: some routed experts are FP8 and some are not; one format is served")
-    if not all(quantized):
+    try:
+        return _masters(ckpt, compute_dtype, all(quantized))
+    finally:
+        for names in routed:
+            for n in names:
+                ckpt.tensors.pop(n, None)
+                ckpt.scales.pop(n, None)
+
+
+def _masters(ckpt: Checkpoint, compute_dtype: torch.dtype, quantized: bool):
+    from pwgpu.weights import ExpertMasters
+
+    a = ckpt.arch
+    if not quantized:
         precision = "fp16" if compute_dtype == torch.float16 else "bf16"
         return ExpertMasters(
             precision, dense_expert_weights(ckpt, DTYPES["float16" if precision == "fp16" else "bfloat16"])
@@ -523,5 +535,5 @@ def expert_masters(ckpt: Checkpoint, compute_dtype: torch.dtype):
     for i in range(a.num_dense_layers, a.num_layers):
         names = [expert_names(a, i, e) for e in range(a.num_experts)]
         for j, dst in enumerate(mats):
-            dst.append(torch.stack([fp8.to_blob(ckpt.tensors[n[j]], ckpt.scales[n[j]]) for n in names]))
+            dst.append(torch.stack([fp8.to_blob(ckpt.tensors.pop(n[j]), ckpt.scales.pop(n[j])) for n in names]))
     return ExpertMasters(fp8.PRECISION, mats, ffn_size=a.expert_ffn_size, hidden_size=a.hidden_size)

@@ -111,8 +111,10 @@ class WeightStore:
         self.moe_kernel = moe_kernel or ("triton" if device.type == "cuda" else "reference")
         if page_bytes & (page_bytes - 1) or page_bytes < ALIGN_BYTES:
             raise ConfigError(f"page_bytes(={page_bytes}) must be a power of two >= {ALIGN_BYTES}")
-        if device.type == "cuda":
-            masters.mats = tuple([w.pin_memory() for w in ws] for ws in masters.mats)
+        if device.type == "cuda":  # pinned, one layer at a time (no second copy of them all)
+            for ws in masters.mats:
+                for i, w in enumerate(ws):
+                    ws[i] = w.pin_memory()
         self.masters = masters
         self.page_bytes, self.device = page_bytes, device
         self.num_layers, self.num_experts = masters.num_layers, masters.num_experts

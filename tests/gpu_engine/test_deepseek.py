@@ -3,7 +3,9 @@ YaRN, attention biases, the multi-token-prediction layers a real checkpoint carr
 engine with its paged experts (reference and Triton-interpreter MoE paths)."""
 
 import copy
+import json
 
+import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -120,3 +122,67 @@ def test_mtp_layers_are_skipped_and_listed_other_extras_refused(checkpoints, tmp
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"1 tensor\(s\) the deepseek_v3 model does not use: model\.layers\.4"):
         load_checkpoint(tmp_path)
+
+
+# A DeepSeek-V3-shaped spec small enough for a CPU: the GPU check builds deepseek-v3 itself.
+TINY_V3 = """name: tiny-v3
+source: test
+num_layers: 4
+hidden_size: 256
+num_heads: 4
+num_kv_heads: 4
+head_dim: 32
+num_experts: 16
+top_k: 4
+expert_ffn_size: 128
+num_shared_experts: 1
+shared_expert_ffn_size: 128
+num_dense_layers: 3
+dense_ffn_size: 384
+vocab_size: 512
+max_context_tokens: 4096
+attention: mla
+kv_lora_rank: 64
+q_lora_rank: 96
+qk_rope_head_dim: 16
+qk_nope_head_dim: 32
+v_head_dim: 32
+router_norm: sigmoid_renorm
+rms_norm_eps: 1.0e-6
+"""
+
+
+def test_deepseek_v3_config_like_is_a_loadable_fp8_v3_cut():
+    from pwgpu.config_schema import check_keys
+    from pwgpu.default_model import deepseek_config_like
+
+    cfg = deepseek_config_like(load_model("deepseek-v3"), 4)
+    assert (cfg["model_type"], cfg["n_routed_experts"], cfg["first_k_dense_replace"]) == ("deepseek_v3", 256, 2)
+    assert (cfg["n_group"], cfg["topk_group"], cfg["q_lora_rank"], cfg["kv_lora_rank"]) == (8, 4, 1536, 512)
+    assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+    assert check_keys(cfg, "deepseek_v3") == ([], ["architectures"])
+
+
+def test_the_gpu_checks_deepseek_run_works_on_a_small_shape(tmp_path, monkeypatch):
+    """What benchmarks/gpu_check.sh runs (``pwgpu run --like deepseek-v3 --layers 4``), on a
+    DeepSeek-V3-shaped spec a CPU can serve: the random FP8 checkpoint is written (sharded), its
+    experts load at fp8-b128, and requests complete."""
+    from pwgpu.cli import main
+
+    monkeypatch.setenv("PAGEDWEIGHT_CACHE", str(tmp_path / "cache"))
+    spec = tmp_path / "tiny-v3.yaml"
+    spec.write_text(TINY_V3)
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0.0,40,4\n0.02,70,3\n0.04,25,5\n")
+    out = tmp_path / "run"
+    args = ["run", "--like", str(spec), "--layers", "4", "--trace", str(trace), "--max-requests", "2"]
+    assert main([*args, "--mem-budget", "24MiB", "--policies", "static-fp16", "--out", str(out)]) == 0
+    model_dir = tmp_path / "cache" / "random-tiny-v3-4l-fp8"
+    assert len(list(model_dir.glob("model-*.safetensors"))) == 5  # embeddings, then one shard per layer
+    a = read_arch(model_dir)
+    assert (a.num_dense_layers, a.num_experts, a.attention) == (2, 16, "mla")  # at most half the cut is dense
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["policies"]["static-fp16"]["completed"] == 2
+    assert any("FP8 weight(s) outside the routed experts" in n for n in summary["checkpoint_notes"])
+    steps = pd.read_csv(out / "steps.csv")
+    assert (steps["weight_pages_fp8-b128"] > 0).all()
