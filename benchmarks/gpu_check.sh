@@ -67,7 +67,7 @@ print(random_model_dir(load_model('deepseek-v3'), $DEEPSEEK_LAYERS))" > "$OUT/ra
 DEEPSEEK_MODEL_PID=$!
 
 stage pytest_gpu 150 python3 -m pytest -m gpu tests/kernels tests/gpu_engine -q -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml"
-stage bench 90 python3 benchmarks/kernels.py --out "$OUT/kernels_bench.csv" --precisions fp16,bf16,fp8,int8,int4
+stage bench 90 python3 benchmarks/kernels.py --out "$OUT/kernels_bench.csv" --precisions fp16,bf16,fp8,int8,int4,fp8-b128
 stage profile 150 python3 -m pwgpu.cli profile --scenario scenarios/gpu_validate.yaml --model mixtral-8x7b --out "$OUT/h200.csv"
 cp "$OUT/h200.csv" traces/kernels/h200.csv && cp "$OUT/h200.meta.yaml" traces/kernels/h200.meta.yaml
 wait "$RANDOM_MODEL_PID" || echo "random model: failed (see random_model.log)" | tee -a "$OUT/summary.txt"

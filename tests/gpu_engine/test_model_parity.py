@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from tiny_models import FAMILIES, build, greedy, run
+from tiny_models import FAMILIES, bf16_like_transformers_loads_it, build, greedy, run
 
 from pwgpu.loader import CheckpointError, load_checkpoint
 
@@ -60,7 +60,7 @@ def test_bf16_logits_within_tolerance(checkpoints, family):
     prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     ours = run(model, kv, blocks, prompt, 0)
     with torch.no_grad():
-        ref = hf.to(torch.bfloat16)(torch.tensor([prompt])).logits[0].float()
+        ref = bf16_like_transformers_loads_it(hf)(torch.tensor([prompt])).logits[0].float()
         hf.to(torch.float32)
     rel = (ours - ref).abs().max() / ref.abs().max()
     assert rel < BF16_REL, f"{family}: bf16 max relative logit error {rel:.2e}"

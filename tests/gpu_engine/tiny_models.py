@@ -110,6 +110,18 @@ def greedy(model, kv, blocks, prompt, steps):
     return out
 
 
+def bf16_like_transformers_loads_it(hf):
+    """``hf`` in bf16 except what ``from_pretrained(dtype=bfloat16)`` keeps in fp32
+    (``_keep_in_fp32_modules_strict``: DeepSeek's router weight and expert-choice bias)."""
+    hf.to(torch.bfloat16)
+    keep = getattr(hf, "_keep_in_fp32_modules_strict", None) or []
+    for name, module in hf.named_modules():
+        for p_name, p in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if any(k in f"{name}.{p_name}" for k in keep):
+                p.data = p.data.float()
+    return hf
+
+
 def write_fp8_checkpoint(family: str, path, seed: int = 0, **overrides):
     """A random ``family`` model as an FP8 block-scaled checkpoint, like DeepSeek-V3 ships: every
     linear layer's weight (attention, dense and shared FFNs, routed experts) as E4M3 codes with a
