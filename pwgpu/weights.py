@@ -84,14 +84,15 @@ class ExpertMasters:
         return (self.ffn_size, self.hidden_size) if j < 2 else (self.hidden_size, self.ffn_size)
 
     def dense(self, j: int, layer: int, e: int, device: torch.device) -> torch.Tensor:
-        """Matrix j of expert e on ``device``, dense (an FP8 master dequantised there, in bf16)."""
+        """Matrix j of expert e on ``device``, dense (an FP8 master dequantised there, in fp32:
+        the exact products of its codes and scales, for the quantiser to start from)."""
         w = self.mats[j][layer][e].to(device, non_blocking=True)
         if device.type == "cuda":
             # Keep the staging copy alive until the stream that uses it (maybe the side stream
             # of an upgrade) is done with it.
             w.record_stream(torch.cuda.current_stream(device))
         if self.packed:
-            w = dequantize_ref(w, self.precision, *self.shape(j), torch.bfloat16)
+            w = dequantize_ref(w, self.precision, *self.shape(j), torch.float32)
         return w
 
 

@@ -130,3 +130,18 @@ def test_every_family_schema_covers_what_transformers_saves(checkpoints):
         cfg = json.loads((path / "config.json").read_text())
         assert cfg["model_type"] in SCHEMAS
         load_checkpoint(path)  # no refusal
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_yarn_is_implemented_for_gqa_families_too(tmp_path, family):
+    """YaRN (Qwen3's documented long-context setting): frequencies and the cos/sin factor as
+    transformers computes them."""
+    rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)
+    hf = make_checkpoint(family, tmp_path, max_position_embeddings=128, rope_parameters=rope, head_dim=16)
+    assert read_arch(tmp_path).rope_yarn.factor == 4.0
+    model, kv, blocks = build(tmp_path, torch.float32)
+    prompt = torch.randint(0, 96, (45,), generator=torch.Generator().manual_seed(6)).tolist()
+    ours = run(model, kv, blocks, prompt, 0)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    assert (ours - ref).abs().max() / ref.abs().max() < 1e-5
