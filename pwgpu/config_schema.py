@@ -184,7 +184,7 @@ COMMON: dict[str, Rule] = {
     "rope_theta": any_value,
     "rope_parameters": _rope,
     "rope_scaling": _rope,
-    "hidden_act": only("silu", "swish"),
+    "hidden_act": only("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new"),
     "quantization_config": _quantization,
     "is_encoder_decoder": only(False),
     "add_cross_attention": only(False),

@@ -100,7 +100,7 @@ class Engine:
             scheduler=SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len),
             controller=cfg.controller,
         )
-        self.store = WeightStore(masters, self.page_bytes, self.device, cfg.moe_kernel)
+        self.store = WeightStore(masters, self.page_bytes, self.device, cfg.moe_kernel, arch.hidden_act)
         self._t0 = time.perf_counter()
         self.core = RuntimeCore(core_cfg, cfg.policy, self.table, self.store, clock=self.now)
         pinned = self.store.attach(self.core, pinned_weights(ckpt, self.dtype, torch.device("cpu")))

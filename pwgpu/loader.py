@@ -53,6 +53,14 @@ DEFAULTS: dict[str, dict] = {
         "n_group": 8, "topk_group": 4, "norm_topk_prob": True, "rope_interleave": True, "attention_bias": False,
     },
 }  # fmt: skip
+# transformers' activation names -> ours (pwgpu.kernels.reference.ACTIVATIONS).
+HIDDEN_ACTS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+}
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -133,6 +141,7 @@ def _common(cfg: dict, family: str) -> dict:
         rope_yarn=yarn,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        hidden_act=HIDDEN_ACTS[cfg.get("hidden_act", "silu")],
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),

@@ -28,6 +28,7 @@ import torch.nn.functional as F_
 
 from pagedweight.core.spec import ModelSpec
 from pwgpu.attention import AttentionBatch, PagedKvCache, paged_attention
+from pwgpu.kernels.reference import ACTIVATIONS
 from pwgpu.mla import LATENT_NORM_EPS, latent_attention
 from pwgpu.rope import Rope, Yarn, yarn_mscale
 
@@ -63,6 +64,7 @@ class MoeArch:
     rope_interleave: bool = False  # rotate pairs (x[2i], x[2i + 1]) (DeepSeek)
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    hidden_act: str = "silu"  # of every gated FFN: silu, gelu (erf) or gelu_tanh (ACTIVATIONS)
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -212,8 +214,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F_.linear(F_.silu(F_.linear(x, gate)) * F_.linear(x, up), down)
+def swiglu(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: str = "silu"
+) -> torch.Tensor:
+    """``down(act(gate x) * up x)``: SwiGLU, or GeGLU with a GELU ``activation``."""
+    return F_.linear(ACTIVATIONS[activation](F_.linear(x, gate)) * F_.linear(x, up), down)
 
 
 def route(
@@ -318,11 +323,11 @@ class MoeTransformer:
 
     def _ffn(self, layer: int, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if lw.router is None:
-            return swiglu(x, *lw.dense)
+            return swiglu(x, *lw.dense, self.arch.hidden_act)
         ids, weights = route(self.arch, x, lw.router, lw.router_bias)
         y = self.experts.moe_ffn(layer - self.arch.num_dense_layers, x, ids, weights.to(x.dtype))
         if lw.shared is not None:
-            shared = swiglu(x, *lw.shared)
+            shared = swiglu(x, *lw.shared, self.arch.hidden_act)
             if lw.shared_gate is not None:
                 shared = torch.sigmoid(F_.linear(x, lw.shared_gate)) * shared
             y = y + shared
@@ -333,12 +338,12 @@ class DenseExperts:
     """Routed experts as plain tensors in the model's dtype: the oracle for parity tests and the
     path of a model served without a page pool."""
 
-    def __init__(self, w1: list[torch.Tensor], w3: list[torch.Tensor], w2: list[torch.Tensor]):
+    def __init__(self, w1: list[torch.Tensor], w3: list[torch.Tensor], w2: list[torch.Tensor], activation="silu"):
         self.w1, self.w3, self.w2 = w1, w3, w2  # per MoE layer: [E, F, H], [E, F, H], [E, H, F]
+        self.activation = activation
 
     def moe_ffn(self, moe_layer, x, topk_ids, topk_w):
         from pwgpu.kernels.reference import moe_ffn_dense_ref
 
-        return moe_ffn_dense_ref(
-            x, topk_ids, topk_w, list(self.w1[moe_layer]), list(self.w3[moe_layer]), list(self.w2[moe_layer])
-        )
+        w1, w3, w2 = (list(w[moe_layer]) for w in (self.w1, self.w3, self.w2))
+        return moe_ffn_dense_ref(x, topk_ids, topk_w, w1, w3, w2, self.activation)

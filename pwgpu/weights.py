@@ -103,13 +103,16 @@ class WeightStore:
         page_bytes: int,
         device: torch.device,
         moe_kernel: str | None = None,
+        activation: str = "silu",
     ):
-        """``masters``: the host master copy of every routed expert.
+        """``masters``: the host master copy of every routed expert; ``activation``: of their
+        gated FFN (``MoeArch.hidden_act``).
         ``moe_kernel``: "triton" (fused MoE GEMM through the page table) or "reference"
         (dequantise, then dense PyTorch); default: triton on CUDA, reference elsewhere."""
         if moe_kernel not in (None, "triton", "reference"):
             raise ConfigError(f"moe_kernel {moe_kernel!r} unknown; allowed: triton, reference")
         self.moe_kernel = moe_kernel or ("triton" if device.type == "cuda" else "reference")
+        self.activation = activation
         if page_bytes & (page_bytes - 1) or page_bytes < ALIGN_BYTES:
             raise ConfigError(f"page_bytes(={page_bytes}) must be a power of two >= {ALIGN_BYTES}")
         if device.type == "cuda":  # pinned, one layer at a time (no second copy of them all)
@@ -214,7 +217,7 @@ class WeightStore:
         if self.moe_kernel == "triton":
             from pwgpu.kernels.moe_gemm import fused_moe
 
-            return fused_moe(x, topk_ids, topk_w, experts)
+            return fused_moe(x, topk_ids, topk_w, experts, activation=self.activation)
         from pwgpu.kernels.reference import moe_ffn_dense_ref
 
         # CPU path: dequantise each used expert from its pages once and keep the dense copy
@@ -232,7 +235,7 @@ class WeightStore:
                 hit = self._dense[idx] = (pt.pages[idx], ws)
             for j in range(3):
                 mats[j][e] = hit[1][j]
-        return moe_ffn_dense_ref(x, topk_ids, topk_w, *mats)
+        return moe_ffn_dense_ref(x, topk_ids, topk_w, *mats, self.activation)
 
     # ---- writing experts ------------------------------------------------------------------
     def _write_expert(self, idx: int, precision_id: int, pages: np.ndarray) -> None:

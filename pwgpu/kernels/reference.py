@@ -26,6 +26,14 @@ from pwgpu.kernels.layout import (
     matrix_layout,
 )
 
+# The gated FFN's activation, by MoeArch.hidden_act; the MoE kernel's ACT codes follow this order.
+# transformers' names: silu = swish; gelu (erf); gelu_tanh = gelu_pytorch_tanh = gelu_new.
+ACTIVATIONS = {
+    "silu": F_.silu,
+    "gelu": F_.gelu,
+    "gelu_tanh": lambda x: F_.gelu(x, approximate="tanh"),
+}
+
 
 def _round_half_up(x: torch.Tensor) -> torch.Tensor:
     # floor(x + 0.5), not torch.round (half to even): the Triton kernels do the same in fp32.
@@ -155,12 +163,14 @@ def moe_ffn_dense_ref(
     w1: list[torch.Tensor],
     w3: list[torch.Tensor],
     w2: list[torch.Tensor],
+    activation: str = "silu",
 ) -> torch.Tensor:
     """Routed-expert FFN, one expert at a time: ``y[t] = sum_j weight[t, j] * FFN_{id[t, j]}(x[t])``.
 
     x [T, H], topk_ids/topk_weights [T, k], w1[e]/w3[e] [F, H], w2[e] [H, F] -> y [T, H] in x.dtype.
-    Matmuls accumulate in fp32 and the SiLU*up product is rounded to x.dtype, as the kernel does.
+    Matmuls accumulate in fp32 and the act(gate)*up product is rounded to x.dtype, as the kernel does.
     """
+    act_fn = ACTIVATIONS[activation]
     t, h = x.shape
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
     x32 = x.float()
@@ -171,13 +181,13 @@ def moe_ffn_dense_ref(
         xe = x32[tok]
         gate = xe @ w1[e].float().T
         up = xe @ w3[e].float().T
-        act = (F_.silu(gate) * up).to(x.dtype).float()
+        act = (act_fn(gate) * up).to(x.dtype).float()
         y = (act @ w2[e].float().T) * topk_weights[tok, slot].float()[:, None]
         out.index_add_(0, tok, y)
     return out.to(x.dtype)
 
 
-def moe_ffn_paged_ref(x, topk_ids, topk_weights, experts) -> torch.Tensor:
+def moe_ffn_paged_ref(x, topk_ids, topk_weights, experts, activation: str = "silu") -> torch.Tensor:
     """The same FFN reading each routed expert through the page table (``paging.PagedExperts``).
 
     Only experts that received tokens are dequantised: the CPU engine's path.
@@ -189,4 +199,4 @@ def moe_ffn_paged_ref(x, topk_ids, topk_weights, experts) -> torch.Tensor:
         w1.append(mats[0])
         w3.append(mats[1])
         w2.append(mats[2])
-    return moe_ffn_dense_ref(x, topk_ids, topk_weights, w1, w3, w2)
+    return moe_ffn_dense_ref(x, topk_ids, topk_weights, w1, w3, w2, activation)

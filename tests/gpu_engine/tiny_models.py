@@ -79,7 +79,8 @@ def build(model_dir, dtype, max_tokens=128):
     ckpt = load_checkpoint(model_dir)
     a = ckpt.arch
     dev = torch.device("cpu")
-    model = MoeTransformer(a, pinned_weights(ckpt, dtype, dev), DenseExperts(*dense_expert_weights(ckpt, dtype)), dev)
+    experts = DenseExperts(*dense_expert_weights(ckpt, dtype), a.hidden_act)
+    model = MoeTransformer(a, pinned_weights(ckpt, dtype, dev), experts, dev)
     num_blocks = -(-max_tokens // BLOCK_TOKENS)
     elem = torch.tensor([], dtype=dtype).element_size()
     parts, heads, dims = a.kv_cache_geometry

@@ -42,10 +42,14 @@ SCRIPT = textwrap.dedent(
             consts = dict(FMT=lay.fmt, BITS=lay.bits, GROUP=lay.group_size or 1, PAGE_SHIFT=21, ROW_CHUNK=row_chunk,
                           CHUNK_ALIGN16=align16, FP8_NATIVE=True, DOT_FP32=False, PACKED=packed, BLOCK_M=16,
                           BLOCK_N=64, BLOCK_K=64)
-            consts.update(TOP_K=2) if gate_up else consts.update(SPLIT_K=4)
+            consts.update(TOP_K=2, ACT=0) if gate_up else consts.update(SPLIT_K=4)
             ptx = compile_sm90(moe_gemm._gate_up_kernel if gate_up else moe_gemm._down_kernel, consts).asm["ptx"]
             copies16 = len(re.findall(r"cp\\.async\\.\\w+\\.shared\\.global[^\\]]*\\], \\[[^\\]]*\\], 0x10", ptx))
             print(f"gemm {prec} {'gate_up' if gate_up else 'down'} row_chunk={row_chunk} copies16={copies16}")
+            if prec == "bf16" and gate_up:  # the GELU epilogues (erf, and tanh written with a sigmoid)
+                for act in (1, 2):
+                    compile_sm90(moe_gemm._gate_up_kernel, dict(consts, ACT=act))
+                print("gemm gelu ok")
         lay = matrix_layout(prec, 4096, 4096)
         block_n = lay.group_size if lay.group_rows > 1 else 16  # fp8-b128: one program per scale block
         compile_sm90(quant._quantize_kernel, dict(FMT=lay.fmt, BITS=lay.bits, GROUP=lay.group_size, PAGE_SHIFT=21,
@@ -72,3 +76,4 @@ def test_kernels_compile_for_sm90_with_vector_loads(tmp_path):
             copies = int(lines[f"gemm {prec} {which} row_chunk=True"].split("=")[1])
             assert copies > 0, f"{prec} {which}: weight tiles no longer load as 16-byte copies"
     assert sum(line.startswith("quant") for line in done.stdout.splitlines()) == 5
+    assert "gemm gelu ok" in done.stdout

@@ -121,6 +121,19 @@ def test_fp8_blocks_across_block_rows_and_columns(device, page_bytes):
     _check(torch.randn(6, 256, device=device).bfloat16(), ids, w, ex)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_gelu_epilogues(device, activation):
+    """GeGLU experts (hidden_act gelu / gelu_pytorch_tanh): the kernel's epilogue against torch's."""
+    ex = _experts(4, 64, 96, ["bf16", "int8", "int4", "fp8-b128"], device, seed=6)
+    ids, w = _routing(9, 4, 2, device, seed=6)
+    x = torch.randn(9, 64, device=device).bfloat16()
+    got = fused_moe(x, ids, w, ex, SMALL, activation=activation)
+    want = moe_ffn_paged_ref(x.cpu(), ids.cpu(), w.cpu(), _on_cpu(ex), activation)
+    silu = moe_ffn_paged_ref(x.cpu(), ids.cpu(), w.cpu(), _on_cpu(ex))
+    err = (got.cpu().float() - want.float()).norm() / want.float().norm()
+    assert err < REL_TOL[x.dtype] and (silu - want).float().norm() / want.float().norm() > 10 * err
+
+
 def test_k_tail_and_fp16_activations(device):
     """H = 80 and F = 40 are not multiples of BLOCK_K = 32: masked tails, per-element pages."""
     ex = _experts(5, 80, 40, ["fp16", "fp8", "int8", "int4", "int2"], device, seed=4)
