@@ -4,7 +4,7 @@ Every key of a checkpoint's config is one of:
 
 - *implemented*: read by the loader, and every value a rule below accepts computes what
   transformers computes for it; a value outside the rule is refused (``attention_bias: true``
-  where no bias is loaded, ``hidden_act: gelu``, a RoPE type or a sliding window we do not
+  where no bias is loaded, ``hidden_act: relu``, a RoPE type or a sliding window we do not
   compute, a quantization method we do not load, ...);
 - *ignored*: cannot change a forward pass (training losses and dropout, labels, generation
   defaults, parallelism hints, bookkeeping), listed in one line when the checkpoint loads;

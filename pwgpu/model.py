@@ -5,8 +5,8 @@ The families differ only in data (``MoeArch``): biases on q/k/v (Qwen2-MoE; and 
 over the whole projection (OLMoE), QKV clipping (OLMoE), multi-head latent attention with an
 optional query LoRA (DeepSeek; ``pwgpu.mla``), the router (softmax or sigmoid scores, an
 expert-choice bias, group-limited top-k, renormalisation, a scaling factor), shared experts with
-or without a sigmoid gate, leading dense layers, and RoPE (plain or YaRN, rotate-half or
-interleaved pairs; ``pwgpu.rope``).
+or without a sigmoid gate, leading dense layers, the gated FFN's activation (SiLU or GELU), and
+RoPE (plain or YaRN, rotate-half or interleaved pairs; ``pwgpu.rope``).
 
 The forward pass takes a flat batch of new tokens from several requests (prefill chunks and
 decodes mixed, as the scheduler builds them), writes their K/V (or MLA latents) into the paged KV
@@ -57,7 +57,7 @@ class MoeArch:
     num_shared_experts: int = 0
     shared_expert_ffn_size: int = 0  # per shared expert; they run as one FFN of the summed size
     shared_expert_gate: bool = False
-    num_dense_layers: int = 0  # leading layers with a dense SwiGLU FFN
+    num_dense_layers: int = 0  # leading layers with a dense gated FFN
     dense_ffn_size: int = 0
     rope_theta: float = 10000.0
     rope_yarn: Yarn | None = None
