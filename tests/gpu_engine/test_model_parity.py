@@ -36,7 +36,7 @@ def test_chunked_prefill_equals_one_pass(checkpoints, family):
     torch.testing.assert_close(last, whole, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ("mixtral", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3"))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_generation_matches_transformers(checkpoints, family):
     path, hf = checkpoints[family]
     model, kv, blocks = build(path, torch.float32)
