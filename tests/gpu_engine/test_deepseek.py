@@ -77,13 +77,13 @@ def test_engine_greedy_matches_transformers(checkpoints, family):
     path, hf = checkpoints[family]
     eng = Engine(path, EngineConfig(budget_bytes=8 << 20, policy="static-fp16", page_bytes=1 << 14))
     prompts = [[5, 17, 42, 9, 33, 71, 2, 60], [7, 3, 88, 19, 64, 21, 50, 11, 45, 8, 30, 1, 2]]
-    ers = [eng.add(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) for p in prompts]
+    ers = [eng.add(p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)) for p in prompts]
     eng.run()
     gen = copy.deepcopy(hf.generation_config)
     gen.eos_token_id = None  # generate keeps going past EOS, as ignore_eos does
     for p, er in zip(prompts, ers, strict=True):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), generation_config=gen, max_new_tokens=24, do_sample=False)
+            ref = hf.generate(torch.tensor([p]), generation_config=gen, max_new_tokens=16, do_sample=False)
         assert er.output_ids == ref[0, len(p) :].tolist()
 
 
@@ -93,12 +93,12 @@ def test_triton_moe_through_the_arena_matches_reference(checkpoints):
     path, _ = checkpoints["deepseek_v3"]
     cfg = dict(budget_bytes=8 << 20, policy="static-fp16", page_bytes=1 << 12, dtype="bfloat16")
     engines = [Engine(path, EngineConfig(moe_kernel=k, **cfg)) for k in ("reference", "triton")]
-    mix = [PRECISION_ID[p] for p in ("int4", "int8", "fp8", "int4")]  # every 5th expert stays bf16
-    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    mix = [PRECISION_ID[p] for p in ("int4", "fp8")]  # every 3rd expert stays bf16
+    prompt = [3, 14, 15, 92, 65, 35]
     logits = []
     for eng in engines:
         n = eng.core.page_table.num_experts
-        eng.core.apply([Change(DOWNGRADE, i, mix[i % 5]) for i in range(n) if i % 5 < 4])
+        eng.core.apply([Change(DOWNGRADE, i, mix[i % 3]) for i in range(n) if i % 3 < 2])
         eng.store.refresh()
         blocks = eng.core.kv.allocate(1)
         batch, pos = build_batch([(blocks, 0, len(prompt))], eng.cfg.kv_block_tokens, eng.device)
