@@ -77,10 +77,11 @@ class Engine:
         self.arch = arch = ckpt.arch
         self.model_dir = Path(model_dir)
         self.spec = arch.model_spec(self.model_dir.name, torch.tensor([], dtype=self.dtype).element_size())
-        # Experts are stored at 16 bits at most: fp16 for fp16 models, else bf16.
-        top = "fp16" if self.dtype == torch.float16 else "bf16"
-        master_dtype = torch.float16 if top == "fp16" else torch.bfloat16
-        ladder = (top, "fp8", "int8", "int4")
+        # The host master copy in the checkpoint's format sets the ladder's top: 16-bit (fp16 for
+        # fp16 models, else bf16), or an FP8 checkpoint's own block-scaled bytes.
+        masters = expert_masters(ckpt, self.dtype)
+        ladder = masters.ladder
+        self.load_notes = ckpt.notes
         self.table: ImportanceTable = (
             on_ladder(read_table(cfg.importance), ladder, str(cfg.importance))
             if cfg.importance
@@ -105,16 +106,17 @@ class Engine:
             controller=cfg.controller,
             history_window=cfg.history_window,
         )
-        self.store = WeightStore(expert_masters(ckpt, master_dtype), self.page_bytes, self.device, cfg.moe_kernel)
+        self.store = WeightStore(masters, self.page_bytes, self.device, cfg.moe_kernel, arch.hidden_act)
         self._t0 = time.perf_counter()
         self.core = RuntimeCore(core_cfg, cfg.policy, self.table, self.store, clock=self.now)
         pinned = self.store.attach(self.core, pinned_weights(ckpt, self.dtype, torch.device("cpu")))
         del ckpt
         self.model = MoeTransformer(arch, pinned, self.store, self.device)
         kv = self.core.kv
+        parts, heads, dims = arch.kv_cache_geometry  # K and V, or MLA's one latent
         self.kv_cache = PagedKvCache(
             self.store.arena, self.page_bytes, cfg.kv_block_tokens, kv.blocks_per_page,
-            arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype,
+            arch.num_layers, heads, dims, self.dtype, parts,
         )  # fmt: skip
         # The scheduler records of the requests (of the newest ``history_window`` with one), for
         # the results; not their token ids.
@@ -295,6 +297,7 @@ class Engine:
                 "importance": self.table.provenance,
                 # Small pinned tensors the spec does not count (biases, full-width q/k norms).
                 "pinned_outside_arena_bytes": self.store.pinned_outside_bytes,
+                "checkpoint_notes": self.load_notes,
                 "trace": trace or {"source": "live requests", "num_requests": len(reqs), "notes": notes},
             },
         )

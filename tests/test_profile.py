@@ -140,3 +140,22 @@ def test_time_us_flushes_caches_before_every_sample():
     calls = []
     prof.time_us(lambda: calls.append(1), dev, samples=2, warmup=1, flush_bytes=0)  # 0: no flush
     assert len(calls) == 3
+
+
+def test_mla_attention_is_timed_on_the_engines_latent_cache(tmp_path):
+    """An MLA spec's attention rows come from the engine's own latent write and absorbed
+    attention (pwgpu/mla.py), over the same grid as GQA's."""
+    spec = tmp_path / "tiny-mla.yaml"
+    spec.write_text(
+        "name: tiny-mla\nsource: test\nnum_layers: 2\nhidden_size: 64\nnum_heads: 4\nnum_kv_heads: 4\n"
+        "head_dim: 16\nnum_experts: 8\ntop_k: 2\nexpert_ffn_size: 32\nvocab_size: 96\nmax_context_tokens: 512\n"
+        "attention: mla\nkv_lora_rank: 32\nqk_rope_head_dim: 8\nqk_nope_head_dim: 16\nv_head_dim: 16\n"
+    )
+    out = tmp_path / "mla.csv"
+    cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--model", str(spec), "--out", str(out), "--grid", "small",
+           "--device", "cpu", "--ops", "attention"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    df, meta = read_kernel_table(out)
+    assert set(df["op"]) == {"attn_prefill", "attn_decode"} and (df["latency_us_p50"] > 0).all()
+    assert any("absorbed latent attention" in n for n in meta["notes"])

@@ -124,3 +124,21 @@ def test_quality_proxy_kept_incrementally_equals_a_full_recount():
     kinds = {t[5] for t in eng.core.transitions}
     assert {"downgrade", "upgrade"} <= kinds, kinds
     assert eng.core.quality_proxy == pytest.approx(eng.core._compute_quality(), rel=1e-9, abs=1e-12)
+
+
+def test_deepseek_v3_fp8_scenario_walks_an_fp8_ladder(tmp_path):
+    """The shipped DeepSeek-V3 FP8 scenario (MLA KV, 256 experts) on its first 40 s: static-fp16
+    keeps every expert at the checkpoint's fp8-b128; pagedweight moves some to INT4 under KV
+    pressure and never to a format outside its ladder."""
+    root = Path(__file__).resolve().parent.parent
+    loaded = load_scenario(root / "scenarios" / "deepseek_v3_fp8.yaml", ["workload.duration_s=40"])
+    assert loaded.model.attention == "mla" and loaded.model.kv_bytes_per_token() == 12 * (512 + 64) * 2
+    run_scenario(loaded, tmp_path, policies=["static-fp16", "pagedweight"], report=False)
+    steps = pd.read_csv(tmp_path / "steps.csv")
+    fixed, dynamic = steps[steps["policy"] == "static-fp16"], steps[steps["policy"] == "pagedweight"]
+    assert (fixed["weight_pages_fp8-b128"] > 0).all() and (fixed["weight_pages_int4"] == 0).all()
+    assert dynamic["weight_pages_int4"].max() > 0
+    others = [
+        c for c in steps if c.startswith("weight_pages_") and c not in ("weight_pages_fp8-b128", "weight_pages_int4")
+    ]
+    assert (steps[others] == 0).all().all()
