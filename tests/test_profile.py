@@ -142,6 +142,7 @@ def test_time_us_flushes_caches_before_every_sample():
     assert len(calls) == 3
 
 
+@pytest.mark.e2e
 def test_mla_attention_is_timed_on_the_engines_latent_cache(tmp_path):
     """An MLA spec's attention rows come from the engine's own latent write and absorbed
     attention (pwgpu/mla.py), over the same grid as GQA's."""
@@ -154,7 +155,7 @@ def test_mla_attention_is_timed_on_the_engines_latent_cache(tmp_path):
     out = tmp_path / "mla.csv"
     cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--model", str(spec), "--out", str(out), "--grid", "small",
            "--device", "cpu", "--ops", "attention"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = proc.run(cmd, quiet_s=15)
     assert done.returncode == 0, done.stderr
     df, meta = read_kernel_table(out)
     assert set(df["op"]) == {"attn_prefill", "attn_decode"} and (df["latency_us_p50"] > 0).all()

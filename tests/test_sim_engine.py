@@ -1,6 +1,8 @@
 """The SimPy runtime: determinism, same-time event ordering, a hand-checked run, a golden run
 (tests/golden.py says how the golden file is written; no test writes it)."""
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
