@@ -3,7 +3,6 @@ line, before any number is computed; every checkpoint tensor is used or the load
 Keys that were silently wrong before and are now implemented are checked against transformers."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,8 @@ from tiny_models import build, make_checkpoint, run
 
 from pwgpu.config_schema import SCHEMAS
 from pwgpu.loader import CheckpointError, load_checkpoint, read_arch
+
+import proc
 
 
 def _with_config(src, dst, **changes):
@@ -93,7 +94,7 @@ def test_a_refusal_reaches_the_cli_as_one_line_and_exit_2(checkpoints, tmp_path)
     trace = tmp_path / "t.csv"
     trace.write_text("arrival_s,prompt_tokens,output_tokens\n0.0,4,2\n")
     args = ["run", "--model", str(path), "--trace", str(trace), "--mem-budget", "8MiB", "--out", str(tmp_path / "o")]
-    done = subprocess.run([sys.executable, "-m", "pwgpu.cli", *args], capture_output=True, text=True, timeout=300)
+    done = proc.run([sys.executable, "-m", "pwgpu.cli", *args], quiet_s=8)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and 'hidden_act="quick_gelu"' in lines[0] and "Traceback" not in done.stderr
