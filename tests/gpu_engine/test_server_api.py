@@ -34,14 +34,16 @@ def api(tmp_path_factory):
 def reference(api):
     """The engine's model in-process, fp32 with dense experts: ``logits(ids)`` -> [len, V]."""
     from pwgpu.attention import PagedKvCache, build_batch
-    from pwgpu.loader import expert_masters, load_checkpoint, pinned_weights
+    from pwgpu.loader import dense_expert_weights, load_checkpoint, pinned_weights
     from pwgpu.model import DenseExperts, MoeTransformer
     from pwgpu.tokenizer import Tokenizer
 
     model_dir = api[2]
     ckpt = load_checkpoint(model_dir)
     a, cpu, dt = ckpt.arch, torch.device("cpu"), torch.float32
-    model = MoeTransformer(a, pinned_weights(ckpt, dt, cpu), DenseExperts(*expert_masters(ckpt, dt)), cpu)
+    model = MoeTransformer(
+        a, pinned_weights(ckpt, dt, cpu), DenseExperts(*dense_expert_weights(ckpt, dt), a.hidden_act), cpu
+    )
     block = 16
     block_bytes = a.num_layers * 2 * block * a.num_kv_heads * a.head_dim * 4
     blocks = list(range(16))
