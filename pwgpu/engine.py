@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from pagedweight.results.writer import ResultsWriter, policy_summary
 from pwgpu.attention import PagedKvCache, build_batch
 from pwgpu.loader import DTYPES, default_dtype_name, expert_masters, load_checkpoint, pinned_weights
 from pwgpu.model import MoeTransformer
-from pwgpu.sampling import SamplingParams, sample
+from pwgpu.sampling import RequestSampler, SamplingParams, TokenLogprobs, sample
 from pwgpu.weights import WeightStore
 
 
@@ -45,7 +46,29 @@ class EngineConfig:
     dtype: str | None = None  # activations and KV; default bfloat16 on cuda, float32 on cpu
     importance: str | None = None  # importance table CSV; default: a synthetic table (marked so)
     moe_kernel: str | None = None  # "triton" or "reference"; default: triton on cuda, reference on cpu
-    precisions: tuple[str, ...] | None = None  # the ladder, most precise first; default bf16, fp8, int8, int4
+    # The ladder, most precise first (e.g. the paper's FP16/INT8/INT4 for paper-greedy); its top
+    # names the checkpoint's own format. Default: the master's ladder.
+    precisions: tuple[str, ...] | None = None
+    # Keep only the newest this many request records, steps and transitions (a server runs for
+    # days; its results then cover the window); None keeps all (offline runs).
+    history_window: int | None = None
+
+
+def _own_ladder(precisions: tuple[str, ...], master_ladder: tuple[str, ...]) -> tuple[str, ...]:
+    """A requested ladder on this checkpoint: its top, a 16-bit name or the master's own format,
+    is the master's format; the rest are formats the master is quantised to."""
+    from pagedweight.core.spec import PRECISION_NAMES
+
+    top, masters = master_ladder[0], ("bf16", "fp16", "fp8-b128")
+    if precisions[0] not in ("bf16", "fp16", top):
+        raise ConfigError(f"precisions {list(precisions)}: the first must be the checkpoint's format ({top})")
+    rest = tuple(precisions[1:])
+    allowed = [p for p in PRECISION_NAMES if p not in masters]
+    bad = [p for p in rest if p not in allowed]
+    if bad:
+        raise ConfigError(f"precisions {list(precisions)}: {bad[0]!r} is not allowed below {top}; allowed: "
+                          f"{', '.join(allowed)}")  # fmt: skip
+    return (top, *rest)
 
 
 @dataclass(eq=False)
@@ -58,7 +81,8 @@ class EngineRequest:
     on_event: Callable[[EngineRequest, list[int], bool], None] | None = None  # (request, new ids, finished)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    sampler: RequestSampler | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, when asked for
 
 
 class Engine:
@@ -73,10 +97,13 @@ class Engine:
         self.arch = arch = ckpt.arch
         self.model_dir = Path(model_dir)
         self.spec = arch.model_spec(self.model_dir.name, torch.tensor([], dtype=self.dtype).element_size())
-        # Experts are stored at 16 bits at most: fp16 for fp16 models, else bf16.
-        top = "fp16" if self.dtype == torch.float16 else "bf16"
-        master_dtype = torch.float16 if top == "fp16" else torch.bfloat16
-        ladder = tuple(top if p in ("bf16", "fp16") else p for p in (cfg.precisions or ("bf16", "fp8", "int8", "int4")))
+        # The host master copy in the checkpoint's format sets the ladder's top: 16-bit (fp16 for
+        # fp16 models, else bf16), or an FP8 checkpoint's own block-scaled bytes.
+        masters = expert_masters(ckpt, self.dtype)
+        ladder = masters.ladder
+        if cfg.precisions:
+            ladder = _own_ladder(cfg.precisions, ladder)
+        self.load_notes = ckpt.notes
         self.table: ImportanceTable = (
             on_ladder(read_table(cfg.importance), ladder, str(cfg.importance))
             if cfg.importance
@@ -99,21 +126,23 @@ class Engine:
             kv_block_tokens=cfg.kv_block_tokens,
             scheduler=SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len),
             controller=cfg.controller,
+            history_window=cfg.history_window,
         )
-        self.store = WeightStore(expert_masters(ckpt, master_dtype), self.page_bytes, self.device, cfg.moe_kernel)
+        self.store = WeightStore(masters, self.page_bytes, self.device, cfg.moe_kernel, arch.hidden_act)
         self._t0 = time.perf_counter()
         self.core = RuntimeCore(core_cfg, cfg.policy, self.table, self.store, clock=self.now)
         pinned = self.store.attach(self.core, pinned_weights(ckpt, self.dtype, torch.device("cpu")))
         del ckpt
         self.model = MoeTransformer(arch, pinned, self.store, self.device)
         kv = self.core.kv
+        parts, heads, dims = arch.kv_cache_geometry  # K and V, or MLA's one latent
         self.kv_cache = PagedKvCache(
             self.store.arena, self.page_bytes, cfg.kv_block_tokens, kv.blocks_per_page,
-            arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype,
+            arch.num_layers, heads, dims, self.dtype, parts,
         )  # fmt: skip
-        # Every request's scheduler record, for the results (not its token ids: a server runs
-        # for days).
-        self.records: list[Request] = []
+        # The scheduler records of the requests (of the newest ``history_window`` with one), for
+        # the results; not their token ids.
+        self.records: list[Request] | deque[Request] = deque(maxlen=cfg.history_window) if cfg.history_window else []
         self._by_req: dict[int, EngineRequest] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._next_id = 0
@@ -134,8 +163,7 @@ class Engine:
                       params.max_tokens)  # fmt: skip
         self._next_id += 1
         er = EngineRequest(req, list(prompt_ids), params, on_event)
-        if params.seed is not None:
-            er.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        er.sampler = RequestSampler(params, er.prompt_ids, self.arch.vocab_size, self.device, self.arch.eos_token_ids)
         bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
         if bad:
             req.state, req.reject_reason = (
@@ -151,9 +179,9 @@ class Engine:
         self._by_req[req.request_id] = er
         return er
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, on_event) -> None:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_event, arrival_s: float | None = None) -> None:
         """Thread-safe ``add``: taken in at the start of the next step."""
-        self._inbox.put(("add", prompt_ids, params, on_event))
+        self._inbox.put(("add", prompt_ids, params, on_event, arrival_s))
 
     def cancel(self, er: EngineRequest | None, on_event=None) -> None:
         """Thread-safe abort (the client went away); frees the request's KV at the next step."""
@@ -237,10 +265,13 @@ class Engine:
         if not ers:
             return []
         logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
-        tokens = sample(logits, [er.params for er in ers], [er.generator for er in ers])
+        tokens, logprobs = sample(logits, [er.sampler for er in ers])
         out = []
-        for er, tok in zip(ers, tokens, strict=True):
+        for er, tok, lp in zip(ers, tokens, logprobs, strict=True):
             er.output_ids.append(tok)
+            er.sampler.observe(tok)
+            if lp is not None:
+                er.logprobs.append(lp)
             p = er.params
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.arch.eos_token_ids):
                 er.req.stop_early = True
@@ -267,7 +298,13 @@ class Engine:
     # ---- results ----------------------------------------------------------------------------
     def write_results(self, out_dir: str | Path, scenario: str = "serve", trace: dict | None = None) -> dict:
         """The results directory ``pagedweight.results.report`` reads (runtime ``pwgpu``)."""
-        reqs = self.records
+        reqs = list(self.records)
+        notes = []
+        if len(reqs) < self._next_id:
+            steps = self.core.steps
+            window = f"history window {self.cfg.history_window}"
+            notes.append(f"the newest {len(reqs)} of {self._next_id} requests, {len(steps)} of {steps.num_recorded} "
+                         f"steps ({window})")  # fmt: skip
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         writer = ResultsWriter(
             Path(out_dir),
@@ -282,7 +319,8 @@ class Engine:
                 "importance": self.table.provenance,
                 # Small pinned tensors the spec does not count (biases, full-width q/k norms).
                 "pinned_outside_arena_bytes": self.store.pinned_outside_bytes,
-                "trace": trace or {"source": "live requests", "num_requests": len(reqs), "notes": []},
+                "checkpoint_notes": self.load_notes,
+                "trace": trace or {"source": "live requests", "num_requests": len(reqs), "notes": notes},
             },
         )
         summary = policy_summary(reqs, self.core, Slo(), self.now(), self.store.h2d_bytes)

@@ -143,6 +143,7 @@ def _meta(engine: Engine, trace: RequestTrace, seed: int, scenario: str | None =
         "page_bytes": engine.page_bytes,
         "latency_model": f"measured on {device} ({engine.dtype})",
         "importance": engine.table.provenance,
+        "checkpoint_notes": engine.load_notes,
         "trace": {"source": trace.source, "num_requests": len(trace), "notes": list(trace.notes)},
         "seed": seed,
     }

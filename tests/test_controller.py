@@ -9,7 +9,7 @@ import pytest
 from pagedweight.core.pool import OWNER_KV, OWNER_PINNED, OWNER_TRANSITION
 from pagedweight.core.runtime import CoreConfig, RuntimeCore
 from pagedweight.core.scheduler import Request, SchedulerConfig
-from pagedweight.core.spec import PRECISION_ID, load_model
+from pagedweight.core.spec import FP8_BLOCK_LADDER, PRECISION_ID, load_model
 from pagedweight.policy.controller import ControllerSettings
 from pagedweight.policy.importance import synthetic_table
 
@@ -50,8 +50,8 @@ class DelayedCopies:
             core.complete_upgrade(t)
 
 
-def make_core(policy="pagedweight", budget_mib=40, **settings):
-    table = synthetic_table(MODEL, ("bf16", "int8", "int4"), seed=1)
+def make_core(policy="pagedweight", budget_mib=40, ladder=("bf16", "int8", "int4"), **settings):
+    table = synthetic_table(MODEL, ladder, seed=1)
     cfg = CoreConfig(
         model=MODEL,
         budget_bytes=budget_mib * 2**20,
@@ -106,6 +106,20 @@ def test_pressure_downgrades_then_load_drop_restores():
     assert most_down > 0, "KV pressure must move some experts below bf16"
     assert lowest == 0 and (log[-1][1] == top).all(), "precision must come back when load drops"
     assert not core.scheduler.has_work()
+
+
+def test_an_fp8_block_ladder_goes_to_int4_and_back():
+    """An FP8 checkpoint's experts: the top is fp8-b128 (what the host master holds), pressure
+    takes them to INT4, falling load restores fp8-b128; static-fp16 means the FP8 checkpoint."""
+    core, clock, backend = make_core(budget_mib=24, ladder=FP8_BLOCK_LADDER, min_dwell_s=0.5)
+    top = PRECISION_ID["fp8-b128"]
+    assert (core.page_table.precision_ids == top).all()
+    log = drive(core, clock, backend, [16] + [0] * 400)
+    seen = set(np.concatenate([ids for _, ids, _ in log]).tolist())
+    assert seen == {top, PRECISION_ID["int4"]}, "pressure must move some experts from fp8-b128 to int4 only"
+    assert (log[-1][1] == top).all(), "precision must come back to fp8-b128 when load drops"
+    static, _, _ = make_core("static-fp16", budget_mib=24, ladder=FP8_BLOCK_LADDER)
+    assert (static.page_table.precision_ids == top).all() and np.isfinite(static.quality_proxy)
 
 
 def test_downgrades_come_before_any_preemption():

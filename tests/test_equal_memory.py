@@ -8,6 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
+import proc
+
 pytest.importorskip("torch")
 
 from pwgpu.equal_memory import best_layer_mix  # noqa: E402
@@ -33,12 +35,12 @@ def test_best_layer_mix_is_the_brute_force_optimum():
         best_layer_mix(cost, layer_bytes, 100)
 
 
+@pytest.mark.e2e
 def test_equal_memory_end_to_end_at_toy_scale(tmp_path):
     """Three seeds, both ladders, one budget, a few hundred tokens: every method is held to the
     uniform mix's bytes, paper-greedy runs on its own ladder, and a rerun comes from the cache."""
     import csv
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -53,7 +55,7 @@ def test_equal_memory_end_to_end_at_toy_scale(tmp_path):
            "--calib-tokens", "64", "--selection-tokens", "64", "--max-eval-tokens", "128", "--window", "64",
            "--block-tokens", "16", "--bootstrap", "50", "--fractions", "0.35", "--equivalence-fractions", "0,1",
            "--threads", "1"]  # fmt: skip
-    first = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=1200)
+    first = proc.run(cmd, cwd=root, quiet_s=20)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     rows = list(csv.DictReader((out / "equal_memory.csv").read_text().splitlines()))
     assert {r["ladder"] for r in rows} == {"ours", "paper"}
@@ -70,7 +72,7 @@ def test_equal_memory_end_to_end_at_toy_scale(tmp_path):
     assert set(summary["equivalence"]["methods"]) == {"marginal", "uniform-mix"}
     assert (out / "equal_memory.md").read_text() == equal_memory_markdown(out)
     assert sorted(p.name for p in (out / "tables").iterdir()) == ["seed0.csv", "seed1.csv", "seed2.csv"]
-    again = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=1200)
+    again = proc.run(cmd, cwd=root, quiet_s=10)
     assert again.returncode == 0 and "(0 plans evaluated" in again.stdout, again.stdout[-1500:]
 
 

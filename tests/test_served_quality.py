@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import proc
+
 pytest.importorskip("torch")
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +41,7 @@ def served(tmp_path_factory):
            "--policies", "static-int8,paper-greedy,pagedweight", "--runs", str(tmp / "runs"), "--out", str(tmp / "out"),
            "--prompt-text", str(ROOT / "data" / "eval" / "code.txt"), str(ROOT / "data" / "eval" / "shakespeare.txt"),
            "--time-bins", "3", "--bootstrap", "50", "--cache-dir", str(tmp / "cache")]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    done = proc.run(cmd, cwd=ROOT, quiet_s=60)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return tmp
 

@@ -10,6 +10,7 @@ on a side stream. Everything else, including the order of operations within a ch
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -53,6 +54,8 @@ class CoreConfig:
     scheduler: SchedulerConfig
     controller: ControllerSettings = ControllerSettings()
     static_mixed_fraction: float = 0.5
+    # Keep only the newest this many steps and transitions (a server runs for days); None: all.
+    history_window: int | None = None
 
 
 def quality_matrix(table: ImportanceTable) -> np.ndarray:
@@ -109,8 +112,9 @@ class RuntimeCore:
         self._quality = quality_matrix(table)
         self.quality_proxy = self._compute_quality()
         self.precision_grid = self.page_table.precision_ids.reshape(model.num_moe_layers, model.num_experts)
-        self.steps = StepRecorder()
-        self.transitions: list[tuple] = []
+        self.steps = StepRecorder(max_rows=cfg.history_window)
+        self.transitions: list[tuple] | deque[tuple] = deque(maxlen=cfg.history_window) if cfg.history_window else []
+        self.num_transitions = {"downgrade": 0, "upgrade": 0, "abort": 0}  # all of them, beyond the window
         self._counters = [0, 0, 0, 0]  # downgrades, upgrades, bytes down, bytes up since the last step
 
     # ---- precision changes --------------------------------------------------------------------
@@ -169,6 +173,7 @@ class RuntimeCore:
     def _log(self, t: Transition, kind: str, num_bytes: int) -> None:
         e = t.expert
         layer = e // self.model.num_experts
+        self.num_transitions[kind] += 1
         self.transitions.append(
             (self.clock(), e, layer, PRECISION_NAMES[t.from_id], PRECISION_NAMES[t.to_id], kind, num_bytes)
         )

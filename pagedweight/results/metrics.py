@@ -14,6 +14,7 @@ every SLO that is set.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,8 +175,10 @@ class StepRecorder:
     WEIGHT_COLUMNS = tuple(f"weight_pages_{p}" for p in PRECISION_NAMES)
     COLUMNS = BASE_COLUMNS + WEIGHT_COLUMNS
 
-    def __init__(self) -> None:
-        self._rows: list[tuple] = []
+    def __init__(self, max_rows: int | None = None) -> None:
+        """``max_rows``: keep only the newest rows (a long-running server); None keeps all."""
+        self._rows: list[tuple] | deque[tuple] = deque(maxlen=max_rows) if max_rows else []
+        self.num_recorded = 0  # every step, beyond the window too
 
     def record(
         self,
@@ -199,9 +202,10 @@ class StepRecorder:
     ) -> None:
         counts = pool._count  # read-only view; copying the whole usage dict per step costs more
         capacity = kv_blocks_used + kv_blocks_free
+        self.num_recorded += 1
         self._rows.append(
             (
-                len(self._rows),
+                self.num_recorded - 1,
                 start_s,
                 duration_s,
                 num_running,

@@ -26,6 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, help="context limit (default: the checkpoint's)")
     p.add_argument("--max-pending", type=int, default=64, help="unfinished requests before answering 429")
+    p.add_argument("--max-body-bytes", default="1MiB", help="largest request body, e.g. '1MiB' (default: 1MiB)")
+    p.add_argument("--history-window", type=int, default=10000,
+                   help="request records, steps and precision changes kept for --out (the newest; default: 10000; "
+                        "0: all, which grows without bound)")  # fmt: skip
+    p.add_argument("--workers", type=int, default=2, help="threads for parsing, tokenizing and detokenizing")
     p.add_argument("--importance", help="importance table CSV (default: a synthetic table)")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
@@ -36,12 +41,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace):
     """(engine thread, FastAPI app) from parsed arguments."""
     from pagedweight.config.scenario import parse_bytes
+    from pagedweight.errors import ConfigError
     from pwgpu.default_model import default_model_dir
     from pwgpu.engine import Engine, EngineConfig
     from pwgpu.engine_thread import EngineThread
     from pwgpu.server import ServerSettings, build_app
     from pwgpu.tokenizer import Tokenizer
 
+    if args.history_window < 0:
+        raise ConfigError(f"--history-window(={args.history_window}) must be >= 0 (0: keep everything)")
+    if args.workers < 1:
+        raise ConfigError(f"--workers(={args.workers}) must be >= 1")
     model_dir = args.model or default_model_dir()
     cfg = EngineConfig(
         budget_bytes=parse_bytes(args.mem_budget),
@@ -54,6 +64,7 @@ def build(args: argparse.Namespace):
         device=args.device,
         dtype=args.dtype,
         importance=args.importance,
+        history_window=args.history_window or None,
     )
     engine = Engine(model_dir, cfg)
     try:
@@ -63,7 +74,8 @@ def build(args: argparse.Namespace):
     max_len = engine.core.scheduler.config.max_model_len
     settings = ServerSettings(
         model_name=engine.spec.name, api_key=args.api_key, max_pending=args.max_pending,
-        max_prompt_tokens=max_len - 1, max_tokens_limit=max_len - 1,
+        max_prompt_tokens=max_len - 1, max_tokens_limit=max_len - 1, max_body_bytes=parse_bytes(args.max_body_bytes),
+        num_workers=args.workers,
     )  # fmt: skip
     runner = EngineThread(engine).start()
     return runner, build_app(runner, tokenizer, settings)

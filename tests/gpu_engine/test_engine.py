@@ -28,7 +28,7 @@ def greedy(max_tokens, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-@pytest.mark.parametrize("family", ("mixtral", "qwen2_moe", "olmoe"))
+@pytest.mark.parametrize("family", ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"))
 def test_engine_greedy_matches_transformers(checkpoints, family):
     """Two requests batched together (different lengths, so prefill and decode share steps)
     through paged experts and the paged KV cache give transformers' greedy tokens."""
