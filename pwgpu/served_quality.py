@@ -20,7 +20,8 @@ across policies (Spearman of the time averages; Pearson of their logarithms), an
 The simulator's proxy over time is binned on the fraction of its own run (the runtimes run at
 different speeds), so its time correlation is only indicative.
 
-Runs are reused when their key (model bytes, scenario text, policies, prompts) matches.
+Runs are reused when their key (model bytes, scenario text, importance table, policies, prompts)
+matches.
 """
 
 from __future__ import annotations
@@ -58,13 +59,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cache-dir", default=None)
 
 
-def _key(args, model_dir: Path, policies: list[str]) -> str:
+def _key(args, model_dir: Path, policies: list[str], importance: Path | None) -> str:
+    """What the engine and simulator runs depend on: a change to any of it reruns them."""
     from pwgpu.qcache import DiskCache
 
     h = hashlib.sha256()
     for part in (
         DiskCache.model_key(model_dir),
         Path(args.scenario).read_text(),
+        importance.read_bytes() if importance is not None else b"synthetic",
         policies,
         args.paper_ladder,
         args.dtype,
@@ -86,7 +89,7 @@ def _stamp(run_dir: Path, key: str, seconds: float) -> None:
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from pagedweight.config.scenario import load_scenario
+    from pagedweight.config.scenario import importance_path, load_scenario
     from pagedweight.errors import ConfigError
     from pagedweight.policy.policies import POLICY_NAMES
     from pwgpu.commands.run import run_scenario
@@ -107,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     paper = tuple(p.strip() for p in args.paper_ladder.split(",") if p.strip())
     loaded = load_scenario(args.scenario, require_latency_table=False)
     model_dir = Path(args.model or default_model_dir())
-    key = _key(args, model_dir, policies)
+    key = _key(args, model_dir, policies, importance_path(loaded))
     runs = Path(args.runs)
     engine_dir, sim_dir, sim_paper_dir = runs / "engine", runs / "sim", runs / "sim-paper"
     times = {}
@@ -210,10 +213,22 @@ def _time_avg(df, column: str) -> float:
     return float((per_step["v"].to_numpy() * w).sum() / w.sum()) if w.sum() > 0 else float("nan")
 
 
+def _settle(x, digits: int = 9) -> np.ndarray:
+    """Values rounded to ``digits`` significant digits: a static map's proxy is the same sum at
+    every step, added in another order, so it differs in the last bits, and ranking that
+    rounding noise would report a correlation with a constant."""
+    x = np.asarray(x, float)
+    out = x.copy()
+    ok = np.isfinite(x) & (x != 0)
+    scale = 10.0 ** (digits - 1 - np.floor(np.log10(np.abs(x[ok]))))
+    out[ok] = np.round(x[ok] * scale) / scale
+    return out
+
+
 def _spearman(a, b) -> float:
     from pwgpu.experiments import spearman
 
-    a, b = np.asarray(a, float), np.asarray(b, float)
+    a, b = _settle(a), _settle(b)
     ok = np.isfinite(a) & np.isfinite(b)
     return spearman(a[ok], b[ok]) if ok.sum() >= 3 else float("nan")
 
