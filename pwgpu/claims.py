@@ -531,8 +531,7 @@ def run(args: argparse.Namespace) -> int:
         served_quality.add_arguments(ap)
         served_quality.run(ap.parse_args(["--out", str(quality)]))
     figures = compute(quality, [Path(p) for p in args.scoreboard])
-    text = render(figures)
-    blob = json.dumps(_clean(figures), indent=1) + "\n"
+    text, blob = render(figures), figures_json(figures)
     out, js = Path(args.out), Path(args.json)
     if args.check:
         same = out.is_file() and out.read_text() == text and js.is_file() and js.read_text() == blob
@@ -544,6 +543,11 @@ def run(args: argparse.Namespace) -> int:
     js.write_text(blob)
     log(f"wrote {out} and {js}")
     return 0
+
+
+def figures_json(figures: dict) -> str:
+    """The text of ``claims.json``: every figure behind ``claims.md``."""
+    return json.dumps(_clean(figures), indent=1) + "\n"
 
 
 def _clean(x):

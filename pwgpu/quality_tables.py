@@ -437,3 +437,25 @@ def sync(doc: Path, d: Path, write: bool = False) -> list[str]:
     if write and new != text:
         Path(doc).write_text(new)
     return stale
+
+
+# The whole-file reports the commands write beside their outputs.
+WHOLE_FILES: dict[str, tuple[str, Callable[[Path], str]]] = {
+    "equal_memory.md": ("equal_memory.json", equal_memory_markdown),
+    "served_quality.md": ("served_quality.json", served_markdown),
+}
+
+
+def sync_files(d: Path, write: bool = False) -> list[str]:
+    """The whole-file reports in ``d`` (those whose outputs are there) that differ from their
+    rendering; with ``write`` rewrite them. Returns the names that differed (before writing)."""
+    stale = []
+    for name, (source, fn) in WHOLE_FILES.items():
+        if not (Path(d) / source).is_file():
+            continue
+        path, body = Path(d) / name, fn(Path(d))
+        if not path.is_file() or path.read_text() != body:
+            stale.append(name)
+            if write:
+                path.write_text(body)
+    return stale

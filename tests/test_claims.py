@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pagedweight.errors import PagedWeightError
-from pwgpu.claims import claim_overhead, claim_throughput, compute, read_scoreboard, render
+from pwgpu.claims import claim_overhead, claim_throughput, compute, figures_json, read_scoreboard, render
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,9 +18,26 @@ def test_claims_file_matches_its_inputs(monkeypatch):
     monkeypatch.chdir(ROOT)  # the file names its inputs by their paths in the repository
     figures = compute(Path("reports/quality"), [Path("reports/claims/sim_scoreboard.csv")])
     assert (ROOT / "reports" / "claims.md").read_text() == render(figures)
-    stored = json.loads((ROOT / "reports" / "claims" / "claims.json").read_text())
-    assert stored["saving"]["verdict"] == figures["saving"]["verdict"]
-    assert stored["throughput"]["best"] == json.loads(json.dumps(figures["throughput"]["best"]))
+    assert (ROOT / "reports" / "claims" / "claims.json").read_text() == figures_json(figures)
+
+
+def test_a_drifted_input_changes_the_claims(tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.chdir(ROOT)
+    board = [Path("reports/claims/sim_scoreboard.csv")]
+    before = render(compute(Path("reports/quality"), board))
+    quality = tmp_path / "quality"
+    shutil.copytree(ROOT / "reports" / "quality", quality)
+    ratios = quality / "equal_memory_ratios.csv"
+    lines = ratios.read_text().splitlines()
+    head = lines[0].split(",")
+    i = next(n for n, line in enumerate(lines) if ",marginal," in line and ",ours," in f",{line}")
+    cells = lines[i].split(",")
+    cells[head.index("ratio")] = repr(float(cells[head.index("ratio")]) * 1.5)  # one gain edited
+    lines[i] = ",".join(cells)
+    ratios.write_text("\n".join(lines) + "\n")
+    assert render(compute(quality, board)) != before
 
 
 def _rows(table):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from pwgpu.quality_tables import BLOCK, RENDERERS, sync
+from pwgpu.quality_tables import BLOCK, RENDERERS, WHOLE_FILES, sync, sync_files
 
 ROOT = Path(__file__).resolve().parents[1]
 QUALITY = ROOT / "reports" / "quality"
@@ -18,6 +18,17 @@ def test_quality_readme_tables_match_their_outputs():
     assert {"exp1", "exp2-thresholds", "exp2-gains", "exp3", "exp4"} <= set(names)
     assert set(names) <= set(RENDERERS)
     assert sync(QUALITY / "README.md", QUALITY) == []
+
+
+def test_the_reports_beside_the_outputs_match_them(tmp_path):
+    assert all((QUALITY / name).is_file() for name in WHOLE_FILES)
+    assert sync_files(QUALITY) == []
+    d = tmp_path / "quality"
+    shutil.copytree(QUALITY, d)
+    report = d / "served_quality.md"
+    report.write_text(report.read_text().replace("|", "!", 1))
+    assert sync_files(d) == ["served_quality.md"]
+    assert sync_files(d, write=True) == ["served_quality.md"] and sync_files(d) == []
 
 
 def test_a_drifted_number_is_caught(tmp_path):

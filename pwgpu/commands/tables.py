@@ -1,6 +1,7 @@
 """Check (or with --write, rewrite) the generated tables of a Markdown file against the outputs
-they are rendered from: every block between <!-- generated: NAME --> and <!-- end: NAME -->.
-Exit 1 when a block differs from its outputs."""
+they are rendered from: every block between <!-- generated: NAME --> and <!-- end: NAME -->, and
+the whole-file reports beside the outputs (equal_memory.md, served_quality.md). Exit 1 when one
+differs from its outputs."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pwgpu.quality_tables import sync
+    from pwgpu.quality_tables import sync, sync_files
 
     doc = Path(args.doc)
-    stale = sync(doc, Path(args.dir) if args.dir else doc.parent, write=args.write)
+    d = Path(args.dir) if args.dir else doc.parent
+    stale = sync(doc, d, write=args.write) + sync_files(d, write=args.write)
     if not stale:
-        print(f"{doc}: every generated block matches its outputs")
+        print(f"{doc}: every generated block and report matches its outputs")
         return 0
     verb = "rewrote" if args.write else "differ from their outputs"
     print(f"{doc}: {len(stale)} block(s) {verb}: {', '.join(stale)}")
