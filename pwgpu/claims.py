@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -105,6 +106,7 @@ def make_scoreboard(path: Path, scenarios, seeds: int, log) -> None:
     from pagedweight.errors import PagedWeightError
 
     t0 = time.monotonic()
+    load_start = os.getloadavg()[0]
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         for sc in scenarios:
@@ -126,7 +128,9 @@ def make_scoreboard(path: Path, scenarios, seeds: int, log) -> None:
                 log(f"pwsim run {sc} seed {seed}")
     path.parent.mkdir(parents=True, exist_ok=True)
     head = f"# pwsim run on {', '.join(map(str, scenarios))}, seeds 0..{seeds - 1}\n"
-    head += f"# run_time_s: {time.monotonic() - t0:.1f}\nscenario,seed,policy,output_throughput,completed,model,gpu\n"
+    head += f"# run_time_s: {time.monotonic() - t0:.1f}\n"
+    head += f"# load_average: {load_start:.2f}, {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs\n"
+    head += "scenario,seed,policy,output_throughput,completed,model,gpu\n"
     path.write_text(head + "\n".join(lines) + "\n")
 
 

@@ -40,6 +40,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -375,6 +376,7 @@ def run(args: argparse.Namespace) -> int:
     eq_fractions = _fractions(args.equivalence_fractions, "equivalence-fractions")
     torch.set_num_threads(args.threads)
     start = time.monotonic()
+    load_start = os.getloadavg()[0]
 
     def log(msg):
         print(f"[{time.monotonic() - start:6.0f} s] {msg}", flush=True)
@@ -563,6 +565,8 @@ def run(args: argparse.Namespace) -> int:
         # What every result cost to compute, cached ones included (a rerun from the cache is
         # fast; this is what a fresh run takes, up to loading the model and the texts).
         "compute_time_s": round(cache.spent_s, 1),
+        # Wall clock on a shared machine depends on what else runs: the 1-minute load average.
+        "load_average": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()},
     }
     write_csv(out / "equal_memory.csv", rows)
     write_csv(out / "equal_memory_ratios.csv", ratio_rows)

@@ -17,6 +17,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -445,6 +446,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     only = {int(x) for x in args.only.split(",")}
     start = time.monotonic()
+    load_start = os.getloadavg()[0]
 
     def log(msg):
         print(f"[{time.monotonic() - start:6.0f} s] {msg}", flush=True)
@@ -520,6 +522,9 @@ def run(args: argparse.Namespace) -> int:
         )
     full_run = only == {1, 2, 3, 4}
     summary["run_time_s" if full_run else f"run_time_s_only_{args.only}"] = round(time.monotonic() - start, 1)
+    if full_run:  # wall clock on a shared machine depends on what else runs: the 1-minute load average
+        summary["load_average"] = {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2),
+                                   "cpus": os.cpu_count()}  # fmt: skip
     if (out / "summary.json").is_file() and not full_run:  # a partial run keeps the other results
         summary = {**json.loads((out / "summary.json").read_text()), **summary}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=_json) + "\n")

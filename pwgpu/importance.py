@@ -284,8 +284,12 @@ def build_table(
 DETAIL_FIELDS = ("fisher_token", "fisher_seq", "output_error", "oracle")
 
 
-def write_details(path, est: Estimates, oracle_text: str = "") -> None:
-    """Every estimator per expert (one wide CSV), for comparing them against the oracle."""
+def write_details(
+    path, est: Estimates, oracle_text: str = "", run_time_s: float | None = None, load: tuple | None = None
+) -> None:
+    """Every estimator per expert (one wide CSV), for comparing them against the oracle. The
+    header line says what text the oracle saw and, with ``run_time_s``, what the run took (and
+    ``load``: the 1-minute load average at its start and end, and the CPUs)."""
     cols = ["layer", "expert", "tokens", "routing_freq", "routing_weight_mass", "importance"]
     lossy = [p for p in est.ladder if p != MASTER]
     cols += [f"{f}_{p}" for f in DETAIL_FIELDS for p in lossy]
@@ -311,7 +315,10 @@ def write_details(path, est: Estimates, oracle_text: str = "") -> None:
             )
     with open(path, "w") as f:
         where = f"; oracle_text: {oracle_text}" if oracle_text else ""
-        f.write(f"# calibration_tokens: {est.tokens}; oracle_tokens: {est.oracle_tokens}{where}\n")
+        took = f"; run_time_s: {run_time_s:.1f}" if run_time_s is not None else ""
+        if load is not None:
+            took += f"; load_start: {load[0]:.2f}; load_end: {load[1]:.2f}; cpus: {load[2]}"
+        f.write(f"# calibration_tokens: {est.tokens}; oracle_tokens: {est.oracle_tokens}{where}{took}\n")
         f.write("\n".join(lines) + "\n")
 
 

@@ -165,6 +165,71 @@ def exp4(d: Path) -> str:
     return _md4(["calibrated on", "served", "plan", "KL nats/token", "ppl"], body)
 
 
+def details_header(d: Path) -> dict[str, str]:
+    """The ``# key: value; ...`` line on top of ``estimators.csv`` (``pwgpu importance --details``)."""
+    first = (Path(d) / "estimators.csv").read_text().split("\n", 1)[0]
+    if not first.startswith("#"):
+        return {}
+    items = (part.split(":", 1) for part in first.lstrip("# ").split(";") if ":" in part)
+    return {k.strip(): v.strip() for k, v in items}
+
+
+def exp3_oracle(d: Path) -> str:
+    h = details_header(d)
+    text = h.get("oracle_text")
+    if text is None:
+        where = "the calibration text itself (this file predates `--folds`: not disjoint)"
+    elif text == "calibration text":
+        where = "the calibration text itself (not disjoint)"
+    else:
+        where = f"calibration {text}"
+    return (
+        f"Estimators calibrated on {int(h.get('calibration_tokens', 0)):,} tokens; the oracle measured on "
+        f"{int(h.get('oracle_tokens', 0)):,} tokens of {where}.\n"
+    )
+
+
+def run_times(d: Path) -> str:
+    """What each committed output recorded about its own run (seconds; the machine's load)."""
+    rows = []
+    h = details_header(d) if (Path(d) / "estimators.csv").is_file() else {}
+    rt = h.get("run_time_s")
+    load = {"start": float(h["load_start"]), "end": float(h["load_end"]), "cpus": h["cpus"]} if "cpus" in h else None
+    took = f"{float(rt):.0f} s" if rt else "not recorded"
+    rows.append(["importance table and `estimators.csv`", took, _load_cell({"load_average": load})])
+    if (Path(d) / "summary.json").is_file():
+        s = json.loads((Path(d) / "summary.json").read_text())
+        tokens = ", ".join(f"{k} {v:,}" for k, v in (s.get("eval_tokens") or {}).items())
+        rt = s.get("run_time_s")
+        took = f"{rt:.0f} s" if rt else "not recorded"
+        rows.append([f"experiments 1-4 ({tokens} evaluation tokens)", took, _load_cell(s)])
+    if (Path(d) / "equal_memory.json").is_file():
+        s = json.loads((Path(d) / "equal_memory.json").read_text())
+        tokens = ", ".join(f"{k} {v:,}" for k, v in s["settings"]["eval_tokens"].items())
+        fresh = s.get("compute_time_s")
+        took = f"{s['run_time_s']:.0f} s" + (f"; a fresh run {fresh:.0f} s" if fresh is not None else "")
+        rows.append([f"equal memory ({tokens} evaluation tokens)", took, _load_cell(s)])
+    if (Path(d) / "served_quality.json").is_file():
+        s = json.loads((Path(d) / "served_quality.json").read_text())
+        t = s["run_time_s"]
+        fresh = sum(t.get(k, 0) for k in ("engine_s", "sim_s", "rescore_s"))
+        rows.append(["served quality", f"{t['total']:.0f} s; a fresh run {fresh:.0f} s", _load_cell(s)])
+    board = Path(d).parent / "claims" / "sim_scoreboard.csv"
+    if board.is_file():
+        head = dict(
+            ln[2:].split(": ", 1) for ln in board.read_text().splitlines() if ln.startswith("# ") and ": " in ln
+        )
+        rt = head.get("run_time_s")
+        took = f"{float(rt):.0f} s" if rt else "not recorded"
+        rows.append(["simulator scoreboard (`pwgpu claims --run`)", took, head.get("load_average", "not recorded")])
+    return table(["step", "recorded run time", "load average (start, end)"], rows)
+
+
+def _load_cell(s: dict) -> str:
+    la = s.get("load_average")
+    return f"{la['start']:.1f}, {la['end']:.1f} on {la['cpus']} CPUs" if la else "not recorded"
+
+
 # ------------------------------------------------------------------------------------------
 # Equal memory (pwgpu equal-memory)
 # ------------------------------------------------------------------------------------------
@@ -398,6 +463,8 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "exp2-gains": exp2_gains,
     "exp3": exp3,
     "exp4": exp4,
+    "exp3-oracle": exp3_oracle,
+    "run-times": run_times,
     "equal-memory-setup": equal_memory_setup,
     "equal-memory-ours": lambda d: equal_memory_ladder(d, "ours"),
     "equal-memory-paper": lambda d: equal_memory_ladder(d, "paper"),

@@ -42,3 +42,18 @@ def test_a_drifted_number_is_caught(tmp_path):
     assert sync(d / "README.md", d) == ["exp1"]
     assert sync(d / "README.md", d, write=True) == ["exp1"]
     assert sync(d / "README.md", d) == []
+
+
+def test_run_times_and_the_oracle_text_come_from_the_outputs(tmp_path):
+    from pwgpu.quality_tables import exp3_oracle, run_times
+
+    d = tmp_path / "quality"
+    d.mkdir()
+    (d / "estimators.csv").write_text(
+        "# calibration_tokens: 16384; oracle_tokens: 2048; oracle_text: fold 3 of 4, disjoint from calibration "
+        "folds 0,1,2; run_time_s: 321.4; load_start: 2.50; load_end: 3.00; cpus: 2\nlayer,expert\n"
+    )
+    assert "oracle measured on 2,048 tokens of calibration fold 3 of 4, disjoint" in exp3_oracle(d)
+    assert "| importance table and `estimators.csv` | 321 s | 2.5, 3.0 on 2 CPUs |" in run_times(d)
+    (d / "estimators.csv").write_text("# calibration_tokens: 16384; oracle_tokens: 2048\nlayer,expert\n")
+    assert "not disjoint" in exp3_oracle(d) and "| not recorded | not recorded |" in run_times(d)

@@ -83,6 +83,7 @@ def _folds(args: argparse.Namespace) -> tuple[list[int], int | None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     import time
     from pathlib import Path
 
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     chosen, oracle_fold = _folds(args)
     torch.set_num_threads(args.threads)
     start = time.monotonic()
+    load_start = os.getloadavg()[0]
     model = MoeForward(args.model)
     texts = {Path(f).stem: load_tokens(args.model, f) for f in args.data}
     if oracle_fold is None:
@@ -124,8 +126,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"expert layer {layer} expert {e}: {n} calibration tokens (< {args.min_expert_tokens}); fallback dloss")
     write_table(table, args.out)
     if args.details:
-        write_details(args.details, est, oracle_text="calibration text" if oracle_fold is None else
-                      f"fold {oracle_fold} of {args.folds}, disjoint from calibration folds {chosen}")  # fmt: skip
+        where = "calibration text"
+        if oracle_fold is not None:
+            folds = ",".join(map(str, chosen))
+            where = f"fold {oracle_fold} of {args.folds}, disjoint from calibration folds {folds}"
+        load = (load_start, os.getloadavg()[0], os.cpu_count())
+        write_details(args.details, est, oracle_text=where, run_time_s=time.monotonic() - start, load=load)
     lossy = [p for p in table.ladder if p != "bf16"]
     totals = ", ".join(f"{p} {table.dloss[:, table.ladder.index(p)].sum():.4g}" for p in lossy)
     print(f"wrote {args.out} ({table.num_rows} experts); sum dloss over experts: {totals} nats/token")
