@@ -95,7 +95,7 @@ def layer_costs(model, sel: dict[str, np.ndarray], window: int, cache) -> np.nda
     states. Other ladders take their columns (``ladder_columns``)."""
     import torch
 
-    from pwgpu.evaluate import MASTER, kl_per_position, windows
+    from pwgpu.evaluate import MASTER, ScoredReference, windows
 
     key = cache.key("layer-costs", cache.model_key(model.model_dir), OUR_LADDER, window, *sorted(sel.items()))
     hit = cache.load(key)
@@ -107,7 +107,7 @@ def layer_costs(model, sel: dict[str, np.ndarray], window: int, cache) -> np.nda
     cost = np.zeros((model.num_layers, len(OUR_LADDER)))
     with torch.no_grad():
         cached = [model.layer_inputs(r) for r in rows]
-        ref = [model.run_from(0, h[0], rope) for h, rope in cached]
+        ref = [ScoredReference(model.run_from(0, h[0], rope)) for h, rope in cached]
         tokens = sum(int(r.shape[1]) for r in rows)
         for layer in range(model.num_layers):
             for j, p in enumerate(OUR_LADDER):
@@ -116,7 +116,7 @@ def layer_costs(model, sel: dict[str, np.ndarray], window: int, cache) -> np.nda
                 for e in range(model.num_experts):
                     model.set_precision(layer, e, p)
                 kl = sum(
-                    float(kl_per_position(r, model.run_from(layer, h[layer], rope)).sum())
+                    float(r.kl(model.run_from(layer, h[layer], rope))[0].sum())
                     for (h, rope), r in zip(cached, ref, strict=True)
                 )
                 cost[layer, j] = kl / tokens
@@ -281,7 +281,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="calibration tokens per domain per seed (default: the whole fold)",
     )
     ap.add_argument("--selection-tokens", type=int, default=2048, help="tokens per domain choosing the uniform mix")
-    ap.add_argument("--max-eval-tokens", type=int, default=8192, help="evaluation tokens per domain (default 8192)")
+    ap.add_argument("--max-eval-tokens", type=int, default=4096, help="evaluation tokens per domain (default 4096)")
     ap.add_argument("--window", type=int, default=1024, help="tokens per evaluation window")
     ap.add_argument("--block-tokens", type=int, default=128, help="bootstrap block (default 128 tokens)")
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap replicates (default 2000)")

@@ -356,6 +356,29 @@ def nll_per_position(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return -torch.log_softmax(logits.double(), dim=-1).gather(-1, targets[:, None])[:, 0]
 
 
+class ScoredReference:
+    """A reference distribution prepared once for scoring many others against it: KL(ref || q) =
+    sum p log p - sum p log q, with p and sum p log p in float64 kept. Scoring a plan then costs
+    one float64 log-softmax and one product instead of three log-softmaxes and an exp (a third
+    of an evaluation's time went there). Agrees with ``kl_per_position`` to ~1e-15 nats."""
+
+    def __init__(self, ref_logits: torch.Tensor, targets: torch.Tensor | None = None):
+        lp = torch.log_softmax(ref_logits.double(), dim=-1)
+        self.p = lp.exp()
+        self.neg_entropy = (self.p * lp).sum(-1)
+        # -log p_ref(target) per position, when the targets are known
+        self.nll = None if targets is None else -lp.gather(-1, targets[:, None])[:, 0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.p.numel() * self.p.element_size()
+
+    def kl(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KL(ref || logits) per position and the float64 log-probabilities of ``logits``."""
+        lp = torch.log_softmax(logits.double(), dim=-1)
+        return self.neg_entropy - (self.p * lp).sum(-1), lp
+
+
 @dataclass(frozen=True)
 class BlockStats:
     """Sums per block of consecutive scored positions (``block_tokens`` each, fewer at the end
@@ -395,11 +418,17 @@ class DomainResult:
 class ReferenceCache:
     """Full-precision logits of each evaluation window, computed once and reused by every plan.
     With ``cache`` (a ``pwgpu.qcache.DiskCache``) they are also kept on disk, keyed by the
-    checkpoint's bytes, the token ids and the window, so a rerun does not recompute them."""
+    checkpoint's bytes, the token ids and the window, so a rerun does not recompute them.
+    ``scored(domain, i)``: window i prepared for scoring (``ScoredReference``), kept in memory up
+    to ``scored_bytes`` in all (8 bytes per position and vocabulary entry) and rebuilt past it."""
+
+    scored_bytes = 1 << 30
 
     def __init__(self, model: MoeForward, data: dict[str, np.ndarray], window: int, cache=None):
         self.window = window
         self.data = data
+        self._scored: dict[tuple[str, int], ScoredReference] = {}
+        self._scored_total = 0
         saved = [row[:] for row in model.active], model.precision.copy()
         model.reset()
         self.rows = {d: windows(ids, window) for d, ids in data.items()}
@@ -421,6 +450,17 @@ class ReferenceCache:
                 cache.save(key, time.monotonic() - t0, logits=torch.cat([x[0] for x in self.ref[d]]).numpy())
         model.active, model.precision = saved
 
+    def scored(self, domain: str, i: int) -> ScoredReference:
+        hit = self._scored.get((domain, i))
+        if hit is not None:
+            return hit
+        row = self.rows[domain][i]
+        s = ScoredReference(self.ref[domain][i][0, :-1], row[0, 1:])
+        if self._scored_total + s.nbytes <= self.scored_bytes:
+            self._scored[(domain, i)] = s
+            self._scored_total += s.nbytes
+        return s
+
 
 def evaluate_blocks(
     model: MoeForward, ref: ReferenceCache, plan: np.ndarray | None, block_tokens: int = 128
@@ -433,13 +473,14 @@ def evaluate_blocks(
     out = {}
     for domain, rows in ref.rows.items():
         parts = {"tokens": [], "kl": [], "nll_full": [], "nll_plan": []}
-        for row, ref_logits in zip(rows, ref.ref[domain], strict=True):
+        for i, row in enumerate(rows):
             with torch.no_grad():
                 logits = model.logits(row)
-            ref_l, plan_l, target = ref_logits[0, :-1], logits[0, :-1], row[0, 1:]
-            parts["kl"].append(block_sums(kl_per_position(ref_l, plan_l), block_tokens))
-            parts["nll_full"].append(block_sums(nll_per_position(ref_l, target), block_tokens))
-            parts["nll_plan"].append(block_sums(nll_per_position(plan_l, target), block_tokens))
+            scored, target = ref.scored(domain, i), row[0, 1:]
+            kl, lp = scored.kl(logits[0, :-1])
+            parts["kl"].append(block_sums(kl, block_tokens))
+            parts["nll_full"].append(block_sums(scored.nll, block_tokens))
+            parts["nll_plan"].append(block_sums(-lp.gather(-1, target[:, None])[:, 0], block_tokens))
             parts["tokens"].append(block_sums(torch.ones(len(target)), block_tokens))
         out[domain] = BlockStats(**{k: np.concatenate(v) for k, v in parts.items()})
     return out

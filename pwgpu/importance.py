@@ -42,7 +42,7 @@ import torch
 
 from pagedweight.core.spec import get_precision, ladder
 from pagedweight.policy.importance import ImportanceTable
-from pwgpu.evaluate import MASTER, MoeForward, QualityError, kl_per_position, swiglu, windows
+from pwgpu.evaluate import MASTER, MoeForward, QualityError, ScoredReference, swiglu, windows
 
 TABLE_LADDER = ("bf16", "fp8", "int8", "int4", "int3", "int2")
 DLOSS_SOURCES = ("fisher-token", "fisher-seq", "output-error", "oracle")
@@ -201,7 +201,7 @@ def oracle_kl(
     )
     with torch.no_grad():
         cached = [model.layer_inputs(r) for r in rows]  # per row: (inputs of each layer, rope)
-        ref = [model.run_from(0, h[0], rope) for h, rope in cached]
+        ref = [ScoredReference(model.run_from(0, h[0], rope)) for h, rope in cached]
         est.oracle_tokens = sum(int(r.shape[1]) for r in rows)
         for n, (layer, e) in enumerate(experts):
             for j, p in enumerate(est.ladder):
@@ -209,8 +209,8 @@ def oracle_kl(
                     continue
                 model.set_precision(layer, e, p)
                 kl = 0.0
-                for (h, rope), ref_logits in zip(cached, ref, strict=True):
-                    kl += float(kl_per_position(ref_logits, model.run_from(layer, h[layer], rope)).sum())
+                for (h, rope), scored in zip(cached, ref, strict=True):
+                    kl += float(scored.kl(model.run_from(layer, h[layer], rope))[0].sum())
                 est.oracle[layer, e, j] = kl / est.oracle_tokens
             model.set_precision(layer, e, MASTER)
             if progress and (n + 1) % 8 == 0:

@@ -15,10 +15,12 @@ from pwgpu.bootstrap import Resampler, interval, ratio_of_sums  # noqa: E402
 from pwgpu.evaluate import (  # noqa: E402
     MoeForward,
     ReferenceCache,
+    ScoredReference,
     evaluate_blocks,
     evaluate_plan,
     kl_per_position,
     load_tokens,
+    nll_per_position,
     truncate_past,
     uniform_plan,
 )
@@ -46,6 +48,19 @@ def test_kl_in_float64_is_never_negative_and_zero_on_itself():
     b = a + torch.randn(50, 4096) * 1e-6  # a perturbation whose fp32 KL is pure rounding noise
     assert (kl_per_position(a, b) >= -1e-15).all()
     assert float(kl_per_position(a, a).abs().max()) < 1e-15
+
+
+def test_a_scored_reference_gives_the_same_kl_and_nll():
+    torch.manual_seed(1)
+    ref = torch.randn(40, 4096) * 4
+    targets = torch.randint(0, 4096, (40,))
+    scored = ScoredReference(ref, targets)
+    for other in (ref + torch.randn(40, 4096), ref + torch.randn(40, 4096) * 1e-5, ref):
+        kl, lp = scored.kl(other)
+        direct = kl_per_position(ref, other)
+        assert float((kl - direct).abs().max()) < 1e-13 * max(1.0, float(direct.abs().max()))
+        assert torch.equal(-lp.gather(-1, targets[:, None])[:, 0], nll_per_position(other, targets))
+    assert torch.allclose(scored.nll, nll_per_position(ref, targets), rtol=0, atol=1e-12)
 
 
 def test_block_statistics_add_up_to_the_plan_result(model, ids):
