@@ -165,6 +165,71 @@ def exp4(d: Path) -> str:
     return _md4(["calibrated on", "served", "plan", "KL nats/token", "ppl"], body)
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _model_dir(d: Path, model: str) -> Path:
+    """The checkpoint an output names (a path relative to the repository root)."""
+    p = Path(model)
+    if p.is_absolute():
+        return p
+    for root in (Path(d).resolve().parents[1], ROOT):
+        if (root / p / "training_log.json").is_file():
+            return root / p
+    return ROOT / p
+
+
+def uniform_int4_cost(d: Path) -> dict | None:
+    """KL and perplexity ratio, with intervals, of every expert at int4, from equal_memory.csv
+    (the uniform mix of a budget whose mix is int4 in every layer)."""
+    if not (Path(d) / "equal_memory.csv").is_file():
+        return None
+    out = {}
+    for r in read_csv(Path(d) / "equal_memory.csv"):
+        mix = r["counts"].split(" | ")[0].split()
+        if r["method"] == "uniform-mix" and mix and all(c.startswith("int4:") for c in mix):
+            out.setdefault(r["domain"], r)
+    return out or None
+
+
+def _pct2(x) -> str:
+    return pct(x, 2)
+
+
+def model_facts(d: Path) -> str:
+    """What model the outputs were measured on: its size, training, held-out perplexity (from its
+    training log) and what uniform int4 costs it (from equal_memory.csv)."""
+    s = json.loads((Path(d) / "equal_memory.json").read_text())
+    log = json.loads((_model_dir(d, s["settings"]["model"]) / "training_log.json").read_text())
+    mc, final = log["model_config"], log["final"]
+    hours = final["elapsed_s"] / 3600
+    ppl = "; ".join(
+        f"{dom} {final['eval_ppl'][dom]:.0f} (unigram {log['unigram_ppl'][dom]:.0f}, "
+        f"{final.get('eval_tokens', {}).get(dom, 0):,} tokens)"
+        for dom in final["eval_ppl"]
+    )
+    machines = sorted({r.get("machine", "machine not recorded") for r in log.get("runs") or []})
+    lines = [
+        f"- `{s['settings']['model']}` (sha256 {s['settings']['model_sha256'][:12]}): {log['params'] / 1e6:.1f}M "
+        f"parameters, {mc['num_hidden_layers']} layers of {mc['num_local_experts']} experts (FFN "
+        f"{mc['intermediate_size']}, top-{mc['num_experts_per_tok']}), vocabulary {mc['vocab_size']}",
+        f"- trained on {final['tokens']:,} tokens in {final['step']:,} steps, {hours:.1f} h of training wall time "
+        f"({'; '.join(machines or ['machine not recorded'])})",
+        f"- held-out perplexity: {ppl}",
+    ]
+    cost = uniform_int4_cost(d)
+    if cost:
+        lines.append(
+            "- every expert at int4 costs "
+            + "; ".join(
+                f"{dom}: KL {g(_f(r, 'kl'))} {ci(_f(r, 'kl_lo'), _f(r, 'kl_hi'))} nats/token, perplexity "
+                f"{_pct2(_f(r, 'ppl_ratio') - 1)} {ci(_f(r, 'ppl_ratio_lo') - 1, _f(r, 'ppl_ratio_hi') - 1, _pct2)}"
+                for dom, r in cost.items()
+            )
+        )
+    return "\n".join(lines) + "\n"
+
+
 def details_header(d: Path) -> dict[str, str]:
     """The ``# key: value; ...`` line on top of ``estimators.csv`` (``pwgpu importance --details``)."""
     first = (Path(d) / "estimators.csv").read_text().split("\n", 1)[0]
@@ -214,8 +279,12 @@ def run_times(d: Path) -> str:
         t = s["run_time_s"]
         fresh = sum(t.get(k, 0) for k in ("engine_s", "sim_s", "rescore_s"))
         rows.append(["served quality", f"{t['total']:.0f} s; a fresh run {fresh:.0f} s", _load_cell(s)])
-    board = Path(d).parent / "claims" / "sim_scoreboard.csv"
-    if board.is_file():
+    board = next(
+        (b for b in (Path(d).parent / "claims" / "sim_scoreboard.csv", ROOT / "reports/claims/sim_scoreboard.csv")
+         if b.is_file()),
+        None,
+    )  # fmt: skip
+    if board is not None:
         head = dict(
             ln[2:].split(": ", 1) for ln in board.read_text().splitlines() if ln.startswith("# ") and ": " in ln
         )
@@ -463,6 +532,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "exp2-gains": exp2_gains,
     "exp3": exp3,
     "exp4": exp4,
+    "model": model_facts,
     "exp3-oracle": exp3_oracle,
     "run-times": run_times,
     "equal-memory-setup": equal_memory_setup,
