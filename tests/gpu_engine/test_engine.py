@@ -211,3 +211,17 @@ def test_default_model_resolution(tmp_path, monkeypatch):
     monkeypatch.setattr(default_model, "TRAINED_DIR", d)
     monkeypatch.setenv("PAGEDWEIGHT_CACHE", str(tmp_path / "other"))
     assert default_model.default_model_dir() == d
+
+
+def test_a_ladder_of_its_own_starts_at_the_checkpoint_format(tiny):
+    """paper-greedy's FP16/INT8/INT4: the top names the master's format, the rest are its
+    quantisations; a top that is another format is refused in one line."""
+    from pagedweight.errors import ConfigError
+
+    cfg = dict(budget_bytes=16 << 20, page_bytes=PAGE_BYTES, policy="paper-greedy")
+    eng = Engine(tiny, EngineConfig(precisions=("fp16", "int8", "int4"), **cfg))
+    assert eng.table.ladder == ("bf16", "int8", "int4")
+    with pytest.raises(ConfigError, match="the first must be the checkpoint's format"):
+        Engine(tiny, EngineConfig(precisions=("int8", "int4"), **cfg))
+    with pytest.raises(ConfigError, match="'fp8-b128' is not allowed below bf16"):
+        Engine(tiny, EngineConfig(precisions=("bf16", "fp8-b128"), **cfg))
