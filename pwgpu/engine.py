@@ -146,6 +146,9 @@ class Engine:
         self._by_req: dict[int, EngineRequest] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._next_id = 0
+        # Called with the requests and the logits they sample from, every step that samples
+        # (``pwgpu.served.TokenLog`` keeps them to score what was served).
+        self.on_logits: Callable[[list[EngineRequest], torch.Tensor], None] | None = None
 
     def now(self) -> float:
         """Seconds since the engine started: the clock of every request and step record."""
@@ -265,6 +268,8 @@ class Engine:
         if not ers:
             return []
         logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
+        if self.on_logits is not None:
+            self.on_logits(ers, logits)
         tokens, logprobs = sample(logits, [er.sampler for er in ers])
         out = []
         for er, tok, lp in zip(ers, tokens, logprobs, strict=True):

@@ -75,27 +75,14 @@ class TokenLog:
         self.logits: dict[int, list[np.ndarray]] = {}  # request id -> [V] fp32 per sampled token
 
     def attach(self, engine) -> None:
-        """Keep the logits the engine samples from: its ``model.logits`` rows are in the order of
-        the (request, token) pairs its ``_execute`` returns. Wraps the two on this engine only."""
-        model_logits, execute = engine.model.logits, engine._execute
-        seen: list = []
+        """Keep the logits the engine samples from (its ``on_logits`` hook)."""
 
-        def logits(hidden):
-            out = model_logits(hidden)
-            seen.append(out)
-            return out
+        def keep(requests, logits):
+            rows = logits.detach().float().cpu().numpy()
+            for er, row in zip(requests, rows, strict=True):
+                self.logits.setdefault(er.req.request_id, []).append(row)
 
-        def execute_and_keep(batch):
-            seen.clear()
-            sampled = execute(batch)
-            if sampled:
-                rows = seen[-1].detach().float().cpu().numpy()
-                for i, (er, _) in enumerate(sampled):
-                    self.logits.setdefault(er.req.request_id, []).append(rows[i])
-            return sampled
-
-        engine.model.logits = logits
-        engine._execute = execute_and_keep
+        engine.on_logits = keep
 
     def observe(self, engine, requests: list) -> None:
         """After a step: the positions each request gained since the last call."""

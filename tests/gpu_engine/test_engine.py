@@ -225,3 +225,17 @@ def test_a_ladder_of_its_own_starts_at_the_checkpoint_format(tiny):
         Engine(tiny, EngineConfig(precisions=("int8", "int4"), **cfg))
     with pytest.raises(ConfigError, match="'fp8-b128' is not allowed below bf16"):
         Engine(tiny, EngineConfig(precisions=("bf16", "fp8-b128"), **cfg))
+
+
+def test_on_logits_sees_what_each_request_samples_from(tiny):
+    eng = Engine(tiny, EngineConfig(budget_bytes=16 << 20, policy="static-int8", page_bytes=PAGE_BYTES))
+    seen: dict[int, list[torch.Tensor]] = {}
+    eng.on_logits = lambda ers, logits: [
+        seen.setdefault(er.req.request_id, []).append(row) for er, row in zip(ers, logits, strict=True)
+    ]
+    a = eng.add(list(range(5, 25)), greedy(4))
+    b = eng.add(list(range(30, 37)), greedy(3))
+    eng.run()
+    for er in (a, b):
+        rows = seen[er.req.request_id]
+        assert [int(r.argmax()) for r in rows] == er.output_ids  # greedy: the argmax of what was seen
