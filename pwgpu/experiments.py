@@ -148,6 +148,19 @@ def exp_headline(model, table, ref, exp1_rows, thresholds, log) -> dict:
         lo = float(table.bytes[:, -1].sum() / full)  # every expert at the ladder's last precision
         best = meets(lo)
         hi = lo if best else 1.0  # full precision has KL 0, so it always meets the threshold
+        if best is None:
+            # Start from experiment 1's grid (the same plans, already evaluated): between its
+            # largest failing and its smallest meeting budget, under the same assumption.
+            grid_ok = {
+                f: all(
+                    r["kl_nats_per_token"] <= tau for r in exp1_rows if r["method"] == "marginal" and r["fraction"] == f
+                )
+                for f in {r["fraction"] for r in exp1_rows if r["method"] == "marginal"}
+            }
+            hi = min((f for f, ok in grid_ok.items() if ok), default=1.0)
+            lo = max([lo, *(f for f, ok in grid_ok.items() if not ok and f < hi)])
+            if hi < 1.0:
+                best = meets(hi)  # evaluated by experiment 1: from the cache
         while best is None or hi - lo > 0.01:
             if hi - lo <= 0.01:
                 best = best or {}
