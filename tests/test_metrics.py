@@ -64,3 +64,24 @@ def test_step_recorder_reads_the_pool():
     assert cols["kv_pages"][0] == pool.num_owned(OWNER_KV) == 2
     assert cols["weight_pages_int4"][0] == 3 and cols["free_pages"][0] == 5
     assert cols["kv_usage"][0] == pytest.approx(5 / (5 + 3 + 5 * 4))
+
+
+def test_step_recorder_keeps_rows_exact_across_blocks():
+    """Rows cross several float64 blocks; integer columns come back as int64, floats exact."""
+    pool = PagePool(64 * 4096, 4096)
+    rec = StepRecorder()
+    n = 2 * StepRecorder.CHUNK_ROWS + 7
+    for i in range(n):
+        rec.record(
+            start_s=i * 0.1, duration_s=0.1 + i * 1e-9, num_running=i % 300, num_waiting=3, num_prefill_tokens=i,
+            num_decodes=1, num_preempted=0, kv_blocks_used=0, kv_blocks_free=0, pool=pool,
+            bytes_downgraded=2**40 + i, quality_proxy=1 / (i + 3),
+        )  # fmt: skip
+    cols = rec.columns()
+    assert len(rec) == n and len(cols["step"]) == n
+    assert cols["step"].dtype == np.int64 and cols["bytes_downgraded"].dtype == np.int64
+    assert cols["start_s"].dtype == np.float64 and cols["quality_proxy"].dtype == np.float64
+    i = np.arange(n)
+    assert (cols["step"] == i).all() and (cols["bytes_downgraded"] == 2**40 + i).all()
+    assert (cols["duration_s"] == 0.1 + i * 1e-9).all() and (cols["quality_proxy"] == 1 / (i + 3)).all()
+    assert (cols["free_pages"] == 64).all()

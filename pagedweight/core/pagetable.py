@@ -54,6 +54,7 @@ class ExpertPageTable:
         for pid in initial_ids.tolist():
             self.pages.append(pool.alloc(weight_owner(pid), int(self.pages_by_id[pid])))
         self.in_flight: dict[int, Transition] = {}
+        self.version = 0  # bumped by every flip: lets readers cache what depends on precision_ids
 
     @property
     def num_experts(self) -> int:
@@ -78,6 +79,7 @@ class ExpertPageTable:
         self.pool.transfer(t.pages, OWNER_TRANSITION, weight_owner(t.to_id))
         self.pages[expert] = t.pages
         self.precision_ids[expert] = t.to_id
+        self.version += 1
         return t
 
     def abort(self, expert: int) -> None:

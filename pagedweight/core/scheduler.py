@@ -130,6 +130,8 @@ class Batch:
             np.array(self.prefill_tokens, dtype=np.int64),
             np.array(self.prefill_kv_lens, dtype=np.int64),
             np.array(self.decode_kv_lens, dtype=np.int64),
+            sum(self.prefill_tokens),  # Python sums of the lists: cheaper than numpy's here
+            sum(self.decode_kv_lens),
         )
 
     def _add(self, req: Request, num_new: int, remaining: int) -> None:

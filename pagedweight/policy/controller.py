@@ -106,6 +106,10 @@ class Controller:
         steps = np.diff(np.sort(np.unique(page_table.pages_by_id[self.ladder_ids])))
         self._replan_pages = int(steps.min()) if len(steps) else 1
         self._upgrades_pending = False
+        # No plan gives an expert more pages than the ladder's largest option: while every
+        # expert has that many, an upgrade plan (a solve) can only come back empty.
+        self._top_pages = int(page_table.pages_by_id[self.ladder_ids].max())
+        self._at_top: tuple[int, bool] | None = None  # (page-table version, all experts at the top)
 
     def _use_table(self, table: ImportanceTable) -> None:
         self.table = table.replace(bytes=self._page_bytes_grid)
@@ -191,6 +195,8 @@ class Controller:
             room = self._available_weight_pages(0, 0)
             if room < self.weight_pages():
                 changes = self._shrink_to(room)
+            elif self._all_at_top():
+                changes = []
             else:
                 plan = self._plan(room)
                 changes = self._upgrades_to(plan, now_s, budgeted=False) if plan is not None else []
@@ -206,8 +212,11 @@ class Controller:
         elif spare > high - low and (self._memory_moved(room) or self._upgrades_pending):
             # Hysteresis: only memory beyond the high watermark goes back to weights.
             self._planned_for = (room, self.pool.num_weight_pages())
-            plan = self._plan(room - (high - low))
-            changes = self._upgrades_to(plan, now_s, budgeted=True) if plan is not None else []
+            if self._all_at_top():
+                changes = []
+            else:
+                plan = self._plan(room - (high - low))
+                changes = self._upgrades_to(plan, now_s, budgeted=True) if plan is not None else []
         elif self._rebalance and not self.page_table.in_flight:
             changes = self._rebalanced(now_s)
         else:
@@ -229,6 +238,12 @@ class Controller:
         return downs + self._upgrades_to(plan, now_s, budgeted=True, extra_free_pages=freed)
 
     # ---- helpers ------------------------------------------------------------------------------
+    def _all_at_top(self) -> bool:
+        pt = self.page_table
+        if self._at_top is None or self._at_top[0] != pt.version:
+            self._at_top = (pt.version, bool((pt.pages_by_id[pt.precision_ids] >= self._top_pages).all()))
+        return self._at_top[1]
+
     def _memory_moved(self, room: int) -> bool:
         if self._planned_for is None:
             return True
