@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from pagedweight.config.scenario import load_scenario
@@ -15,7 +16,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", action="append", metavar="NAME", help=f"run only these ({', '.join(POLICY_NAMES)})")
     p.add_argument("--out", help="results directory (default runs/<scenario name>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a scenario key")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        metavar="N",
+        help="policies run at once, each in its own process (default: the CPU count, here %(default)s)",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress display (bars on a terminal, else a line per policy)"
+    )
     p.add_argument("--no-report", action="store_true", help="skip report.html")
 
 
@@ -25,9 +35,13 @@ def run(args: argparse.Namespace) -> int:
     for name in args.policy or []:  # before loading: a bad name is the error to report
         if name not in POLICY_NAMES:
             raise ScenarioError(f"--policy {name!r} unknown; allowed: {', '.join(POLICY_NAMES)}")
+    if args.jobs < 1:
+        raise ScenarioError(f"--jobs(={args.jobs}) must be >= 1")
     loaded = load_scenario(args.scenario, args.set)
     out = Path(args.out or Path("runs") / loaded.scenario.name)
-    summary = run_scenario(loaded, out, policies=args.policy, progress=not args.no_progress, report=not args.no_report)
+    summary = run_scenario(
+        loaded, out, policies=args.policy, progress=not args.no_progress, report=not args.no_report, jobs=args.jobs
+    )
     print(f"{summary['scenario']}: {summary['model']} on {summary['gpu']}, {summary['trace']['num_requests']} requests")
     print(f"timed by: {summary['latency_model']}")
     print(summary["importance"])
