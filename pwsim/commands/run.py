@@ -53,19 +53,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(summary: dict) -> str:
+    """One row per policy; each column as wide as its widest cell, two spaces apart, so values
+    of any magnitude (a TTFT of 1e6 ms and more) stay apart."""
+    from pagedweight.results.report_data import fmt
+
     cols = [
-        ("output_throughput", "out tok/s", "{:9.1f}"),
-        ("mean_ttft_ms", "TTFT ms", "{:9.1f}"),
-        ("p99_ttft_ms", "P99 TTFT", "{:9.1f}"),
-        ("mean_tpot_ms", "TPOT ms", "{:8.2f}"),
-        ("num_preemptions", "preempt", "{:8.0f}"),
-        ("mean_quality_proxy", "quality", "{:9.4f}"),
-        ("completed", "done", "{:6.0f}"),
+        ("output_throughput", "out tok/s", "{:.1f}"),
+        ("mean_ttft_ms", "TTFT ms", "{:.1f}"),
+        ("p99_ttft_ms", "P99 TTFT", "{:.1f}"),
+        ("mean_tpot_ms", "TPOT ms", "{:.2f}"),
+        ("num_preemptions", "preempt", "{:.0f}"),
+        ("mean_quality_proxy", "quality", "{:.4f}"),
+        ("completed", "done", "{:.0f}"),
     ]
-    lines = [f"{'policy':14s}" + "".join(f"{h:>10s}" for _, h, _ in cols)]
+    rows = [["policy", *(h for _, h, _ in cols)]]
+    errors = {}
     for name, s in summary["policies"].items():
         if "error" in s:
-            lines.append(f"{name:14s}  infeasible: {s['error']}")
-            continue
-        lines.append(f"{name:14s}" + "".join(f"{spec.format(s[k]):>10s}" for k, _, spec in cols))
+            errors[len(rows)] = s["error"]
+            rows.append([name])
+        else:
+            rows.append([name, *(fmt(s.get(k), spec) for k, _, spec in cols)])
+    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(rows[0]))]
+    lines = []
+    for n, r in enumerate(rows):
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=False)]
+        line = "  ".join(cells)
+        lines.append(f"{line}  infeasible: {errors[n]}" if n in errors else line.rstrip())
     return "\n".join(lines)
