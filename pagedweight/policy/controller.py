@@ -36,6 +36,7 @@ from pagedweight.policy.hull import MarginalPlanner
 from pagedweight.policy.importance import ImportanceTable, RoutingTracker
 
 DOWNGRADE, UPGRADE, ABORT = "downgrade", "upgrade", "abort"
+ROUTED_BLOCK_STEPS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,7 @@ class Controller:
         # the tracker's EMA when the table is re-scaled, every ``rescale_interval_s``.
         self.tracker = RoutingTracker(table) if mode == "pagedweight" and settings.rescale_interval_s > 0 else None
         self._routed = np.zeros((table.num_layers, table.num_experts))
+        self._routed_pending: list[np.ndarray] = []  # integer counts not yet added to _routed
         self._last_rescale_s = 0.0
         self._rebalance = False
         # Ladder level of each precision id (0 = most precise); ids outside the ladder count as
@@ -117,14 +119,30 @@ class Controller:
         self._planner = MarginalPlanner(self._problem) if self.mode == "pagedweight" else None
 
     def observe_routing(self, tokens_per_expert: np.ndarray) -> None:
-        """One step's routing, (layers, experts) token counts."""
-        if self.tracker is not None:
+        """One step's routing, (layers, experts) token counts. Integer counts are kept and added
+        up in blocks (one numpy call per step cost 2% of a simulated hour; integer sums are
+        exact in any order); the caller must not change the array afterwards."""
+        if self.tracker is None:
+            return
+        if tokens_per_expert.dtype.kind in "iu":
+            self._routed_pending.append(tokens_per_expert)
+            if len(self._routed_pending) >= ROUTED_BLOCK_STEPS:
+                self._fold_routed()
+        else:
+            self._fold_routed()
             self._routed += tokens_per_expert
+
+    def _fold_routed(self) -> None:
+        pending = self._routed_pending
+        if pending:
+            self._routed += pending[0] if len(pending) == 1 else np.add.reduce(np.stack(pending))
+            pending.clear()
 
     def _maybe_rescale(self, now_s: float) -> None:
         if self.tracker is None or now_s - self._last_rescale_s < self.settings.rescale_interval_s:
             return
         self._last_rescale_s = now_s
+        self._fold_routed()
         if self._routed.any():
             self.tracker.observe(self._routed)
             self._routed[:] = 0
