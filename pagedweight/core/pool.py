@@ -113,6 +113,27 @@ class PagePool:
             self._num_weight += num_pages
         return pages
 
+    def alloc_list(self, owner: int, num_pages: int) -> list[int]:
+        """``alloc`` for a few pages as a list of ints (the same pages): the KV allocator's path,
+        taken for about one decode in 16 every step, where numpy's per-call costs dominate."""
+        if num_pages > 4 or owner == OWNER_FREE or not 0 < owner < NUM_OWNERS or num_pages < 0:
+            return self.alloc(owner, num_pages).tolist()
+        if num_pages > self._num_free:
+            raise PoolExhausted(
+                f"{owner_name(owner)} asked for {num_pages} pages; only {self._num_free} of {self.num_pages} free"
+            )
+        start = self._num_free - num_pages
+        pages = self._free_stack[start : self._num_free].tolist()[::-1]
+        self._num_free = start
+        owner_of = self._owner_of
+        for page in pages:
+            owner_of[page] = owner
+        self._count[owner] += num_pages
+        self._count[OWNER_FREE] -= num_pages
+        if owner >= _WEIGHT_BASE:
+            self._num_weight += num_pages
+        return pages
+
     def free(self, pages: np.ndarray | list[int], owner: int) -> None:
         """Return ``pages`` held by ``owner``. A page not held by ``owner`` (already free,
         someone else's, or listed twice) is an error and nothing is freed."""
@@ -213,10 +234,12 @@ class KvBlockAllocator:
         if num_blocks > self.num_free_blocks:
             raise PoolExhausted(f"asked for {num_blocks} KV blocks; {self.num_free_blocks} free")
         if self.blocks_per_page == 1:  # one block per page (e.g. Mixtral: 16 x 128 KiB = 2 MiB)
-            pages = self.pool.alloc(OWNER_KV, num_blocks)
-            self._used_in_page[pages] = 1
+            pages = self.pool.alloc_list(OWNER_KV, num_blocks)
+            used = self._used_in_page
+            for page in pages:
+                used[page] = 1
             self.num_used_blocks += num_blocks
-            return pages.tolist()
+            return pages
         out: list[int] = []
         while len(out) < num_blocks and self._free_slots:
             page, slots = next(iter(self._free_slots.items()))

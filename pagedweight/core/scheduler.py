@@ -22,6 +22,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 
@@ -199,9 +200,11 @@ class Scheduler:
         need = -(-(req.num_computed_tokens + num_new) // kv.block_tokens) - len(req.block_ids)
         if need <= 0:
             return True
-        if need > kv.num_free_blocks and self.pressure_hook is not None:
-            self.pressure_hook(need - kv.num_free_blocks)
-        if need > kv.num_free_blocks:
+        free = kv.num_free_blocks
+        if need > free and self.pressure_hook is not None:
+            self.pressure_hook(need - free)
+            free = kv.num_free_blocks
+        if need > free:
             return False
         req.block_ids.extend(kv.allocate(need))
         return True
@@ -337,9 +340,7 @@ class Scheduler:
             if extra > 0:
                 need += extra
         room = self.config.max_num_seqs - len(self.running)
-        for req in self.waiting:
-            if room <= 0:
-                break
-            need += -(-(req.num_tokens + horizon_steps) // bt)
-            room -= 1
+        if room > 0:
+            for req in islice(self.waiting, room):
+                need += -(-(req.prompt_tokens + req.num_output_tokens + horizon_steps) // bt)
         return need
