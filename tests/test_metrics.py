@@ -85,3 +85,24 @@ def test_step_recorder_keeps_rows_exact_across_blocks():
     assert (cols["step"] == i).all() and (cols["bytes_downgraded"] == 2**40 + i).all()
     assert (cols["duration_s"] == 0.1 + i * 1e-9).all() and (cols["quality_proxy"] == 1 / (i + 3)).all()
     assert (cols["free_pages"] == 64).all()
+
+
+def test_step_table_written_in_slices_is_the_whole_table(tmp_path):
+    import pandas as pd
+
+    from pagedweight.results.writer import _write_steps
+
+    pool = PagePool(64 * 4096, 4096)
+    rec = StepRecorder()
+    for i in range(50):
+        rec.record(
+            start_s=i / 3, duration_s=1 / 3, num_running=i, num_waiting=0, num_prefill_tokens=0, num_decodes=i,
+            num_preempted=0, kv_blocks_used=i, kv_blocks_free=100, pool=pool, quality_proxy=i / 7,
+        )  # fmt: skip
+    _write_steps(tmp_path / "sliced.csv", "p", rec.columns(), rows_per_write=7)
+    whole = pd.DataFrame(rec.columns())
+    whole.insert(0, "policy", "p")
+    whole.to_csv(tmp_path / "whole.csv", index=False)
+    assert (tmp_path / "sliced.csv").read_bytes() == (tmp_path / "whole.csv").read_bytes()
+    _write_steps(tmp_path / "empty.csv", "p", StepRecorder().columns())
+    assert (tmp_path / "empty.csv").read_text().strip() == ",".join(("policy", *StepRecorder.COLUMNS))

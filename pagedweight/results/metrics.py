@@ -146,13 +146,16 @@ def summarize(requests: list[Request], slo: Slo = Slo(), steps: dict[str, np.nda
     return out
 
 
+_STEP_FLOAT_COLUMNS = frozenset(("start_s", "duration_s", "kv_usage", "quality_proxy"))
+
+
 class StepRecorder:
     """One row per engine step, appended on the hot path of a run (~110,000 rows for an hour of
     simulated chat traffic, ~250,000 for an hour of long context).
 
-    Rows are held as float64 blocks of ``CHUNK_ROWS`` x columns (224 bytes a step), not as
-    Python objects: a tuple per step cost ~700 bytes and a conversion at the end. Integer
-    columns come back as int64 (exact: every count is far below 2**53)."""
+    Rows are held column by column in blocks of ``CHUNK_ROWS`` steps (224 bytes a step: int64
+    counts, float64 times and ratios), not as Python objects: a tuple per step cost ~700 bytes
+    and a conversion at the end. ``columns()`` joins the blocks once and hands out views."""
 
     BASE_COLUMNS = (
         "step",
@@ -178,11 +181,16 @@ class StepRecorder:
     )
     WEIGHT_COLUMNS = tuple(f"weight_pages_{p}" for p in PRECISION_NAMES)
     COLUMNS = BASE_COLUMNS + WEIGHT_COLUMNS
-    FLOAT_COLUMNS = frozenset(("start_s", "duration_s", "kv_usage", "quality_proxy"))
+    FLOAT_COLUMNS = _STEP_FLOAT_COLUMNS
     CHUNK_ROWS = 4096
+    _FLOAT_IDX = [i for i, c in enumerate(COLUMNS) if c in _STEP_FLOAT_COLUMNS]
+    _INT_IDX = [i for i, c in enumerate(COLUMNS) if c not in _STEP_FLOAT_COLUMNS]
+    _FLOAT_NAMES = [c for c in COLUMNS if c in _STEP_FLOAT_COLUMNS]
+    _INT_NAMES = [c for c in COLUMNS if c not in _STEP_FLOAT_COLUMNS]
 
     def __init__(self) -> None:
-        self._chunks: list[np.ndarray] = []  # full blocks of CHUNK_ROWS rows
+        # Full blocks: (float columns, int columns), each (columns, rows), C order.
+        self._chunks: list[tuple[np.ndarray, np.ndarray]] = []
         self._rows: list[tuple] = []  # the block being filled (at most CHUNK_ROWS tuples)
         self._num_rows = 0
         self._columns: dict[str, np.ndarray] | None = None  # cached until the next row
@@ -238,8 +246,13 @@ class StepRecorder:
         self._num_rows += 1
         self._columns = None
         if len(rows) == self.CHUNK_ROWS:
-            self._chunks.append(np.array(rows, dtype=np.float64))
+            self._chunks.append(self._block(rows))
             self._rows = []
+
+    @classmethod
+    def _block(cls, rows: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
+        table = np.array(rows, dtype=np.float64)  # exact: every count is far below 2**53
+        return np.ascontiguousarray(table[:, cls._FLOAT_IDX].T), table[:, cls._INT_IDX].T.astype(np.int64, order="C")
 
     def __len__(self) -> int:
         return self._num_rows
@@ -249,10 +262,15 @@ class StepRecorder:
             return self._columns
         if not self._num_rows:
             return {c: np.zeros(0) for c in self.COLUMNS}
-        blocks = self._chunks + ([np.array(self._rows, dtype=np.float64)] if self._rows else [])
-        table = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
-        self._columns = {
-            name: table[:, i].copy() if name in self.FLOAT_COLUMNS else table[:, i].astype(np.int64)
-            for i, name in enumerate(self.COLUMNS)
-        }
+        if self._rows:
+            self._chunks.append(self._block(self._rows))
+            self._rows = []
+        if len(self._chunks) > 1:  # joined once: the blocks are replaced, not kept beside
+            floats = np.concatenate([f for f, _ in self._chunks], axis=1)
+            ints = np.concatenate([i for _, i in self._chunks], axis=1)
+            self._chunks = [(floats, ints)]
+        floats, ints = self._chunks[0]
+        out = {name: floats[k] for k, name in enumerate(self._FLOAT_NAMES)}
+        out |= {name: ints[k] for k, name in enumerate(self._INT_NAMES)}
+        self._columns = {name: out[name] for name in self.COLUMNS}
         return self._columns

@@ -92,9 +92,9 @@ def write_policy_tables(parts_dir: Path, policy: str, requests: list[Request], c
     parts_dir.mkdir(parents=True, exist_ok=True)
     ids = np.asarray(core.setup.initial_ids)
     experts = np.arange(len(ids))
+    _write_steps(parts_dir / "steps.csv", policy, core.steps.columns())
     frames = (
         ("requests", lambda: pd.DataFrame(request_rows(requests))),
-        ("steps", lambda: pd.DataFrame(core.steps.columns())),
         ("transitions", lambda: pd.DataFrame(core.transitions, columns=TRANSITION_COLUMNS)),
         (
             "initial_precisions",
@@ -111,6 +111,16 @@ def write_policy_tables(parts_dir: Path, policy: str, requests: list[Request], c
         df = make()
         df.insert(0, "policy", policy)
         df.to_csv(parts_dir / f"{name}.csv", index=False)
+
+
+def _write_steps(path: Path, policy: str, columns: dict[str, np.ndarray], rows_per_write: int = 100_000) -> None:
+    """The step table in slices: a DataFrame of every step would copy the whole table again."""
+    num_rows = len(next(iter(columns.values())))
+    with path.open("w", newline="") as f:
+        for start in range(0, max(num_rows, 1), rows_per_write):
+            df = pd.DataFrame({c: a[start : start + rows_per_write] for c, a in columns.items()})
+            df.insert(0, "policy", policy)
+            df.to_csv(f, index=False, header=start == 0)
 
 
 def join_csv_parts(parts: list[Path], out: Path) -> None:
