@@ -106,3 +106,31 @@ def test_step_table_written_in_slices_is_the_whole_table(tmp_path):
     assert (tmp_path / "sliced.csv").read_bytes() == (tmp_path / "whole.csv").read_bytes()
     _write_steps(tmp_path / "empty.csv", "p", StepRecorder().columns())
     assert (tmp_path / "empty.csv").read_text().strip() == ",".join(("policy", *StepRecorder.COLUMNS))
+
+
+def test_request_table_written_in_slices_is_the_whole_table(tmp_path):
+    import pandas as pd
+
+    from pagedweight.results.writer import _write_requests
+
+    reqs = [finished(i, i * 0.1, [i * 0.1 + 0.5, i * 0.1 + 0.75]) for i in range(9)]
+    for i in (2, 3, 4):  # a slice of only rejected requests: its float columns are all None
+        reqs[i] = Request(i, i * 0.1, 99, 1)
+        reqs[i].state, reqs[i].reject_reason = REJECTED, "too long"
+    _write_requests(tmp_path / "sliced.csv", "p", reqs, rows_per_write=3)
+    whole = pd.DataFrame(request_rows(reqs))
+    whole.insert(0, "policy", "p")
+    whole.to_csv(tmp_path / "whole.csv", index=False)
+    assert (tmp_path / "sliced.csv").read_bytes() == (tmp_path / "whole.csv").read_bytes()
+
+
+def test_summary_from_arrays_matches_the_request_rows():
+    reqs = [finished(i, i * 0.37, [i * 0.37 + 0.1 * k + 0.013 for k in range(1, 2 + i % 4)]) for i in range(20)]
+    s = summarize(reqs)
+    rows = request_rows(reqs)
+    ttft = np.array([r["ttft_ms"] for r in rows])
+    tpot = np.array([r["tpot_ms"] for r in rows])
+    assert s["mean_ttft_ms"] == float(ttft.mean()) and s["p99_ttft_ms"] == float(np.percentile(ttft, 99))
+    assert s["mean_tpot_ms"] == float(tpot[~np.isnan(tpot)].mean())
+    itl = np.concatenate([np.diff(np.asarray(r.token_times_s)) * 1e3 for r in reqs])
+    assert s["mean_itl_ms"] == float(itl.mean()) and s["std_itl_ms"] == float(itl.std())

@@ -14,6 +14,7 @@ every SLO that is set.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,7 +96,9 @@ def request_rows(requests: list[Request]) -> list[dict]:
 
 
 def _stats(name: str, values: np.ndarray, out: dict) -> None:
-    values = values[~np.isnan(values)]
+    missing = np.isnan(values)
+    if missing.any():  # a copy only when there is something to drop (the ITL of an hour: 4M values)
+        values = values[~missing]
     if len(values) == 0:
         out[f"mean_{name}_ms"] = out[f"std_{name}_ms"] = float("nan")
         for label, _ in PERCENTILES:
@@ -107,14 +110,39 @@ def _stats(name: str, values: np.ndarray, out: dict) -> None:
         out[f"{label}_{name}_ms"] = float(np.percentile(values, q))
 
 
+def _floats(values) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+
+
+def _inter_token_ms(done: list[Request]) -> np.ndarray:
+    """Gaps between consecutive tokens of each request, pooled in request order, filled into
+    one array (a list of per-request arrays and their concatenation cost twice the memory)."""
+    times = [r.token_times_s for r in done]
+    out = np.empty(sum(max(len(t) - 1, 0) for t in times))
+    pos = 0
+    for t in times:
+        k = len(t) - 1
+        if k > 0:
+            a = np.frombuffer(t, dtype=np.float64) if isinstance(t, array) else np.asarray(t, dtype=np.float64)
+            gap = out[pos : pos + k]
+            np.subtract(a[1:], a[:-1], out=gap)
+            gap *= 1e3
+            pos += k
+    return out
+
+
 def summarize(requests: list[Request], slo: Slo = Slo(), steps: dict[str, np.ndarray] | None = None) -> dict:
     """The run's summary. ``steps`` (``StepRecorder.columns()``) adds KV usage figures."""
     done = [r for r in requests if r.state == FINISHED]
-    rows = request_rows(done)
-    ttft = np.array([r["ttft_ms"] for r in rows], dtype=float)
-    tpot = np.array([r["tpot_ms"] for r in rows], dtype=float)
-    e2el = np.array([r["e2el_ms"] for r in rows], dtype=float)
-    itl = np.concatenate([np.diff(np.asarray(r.token_times_s)) * 1e3 for r in done]) if done else np.zeros(0)
+    # The same arithmetic as request_rows, on arrays: no dict per request.
+    arrival = _floats(r.arrival_s for r in done)
+    ttft = (_floats(r.first_token_s for r in done) - arrival) * 1e3
+    e2el = (_floats(r.finish_s for r in done) - arrival) * 1e3
+    n = np.fromiter((r.num_output_tokens for r in done), dtype=np.int64, count=len(done))
+    tpot = np.full(len(done), np.nan)
+    many = n > 1
+    tpot[many] = (e2el[many] - ttft[many]) / (n[many] - 1)
+    itl = _inter_token_ms(done)
     start_s = min((r.arrival_s for r in requests), default=0.0)
     end_s = max((r.finish_s for r in done), default=start_s)
     duration_s = max(end_s - start_s, 1e-9)

@@ -28,7 +28,7 @@ import pandas as pd
 from pagedweight.core.runtime import TRANSITION_COLUMNS, RuntimeCore
 from pagedweight.core.scheduler import Request
 from pagedweight.core.spec import PRECISION_NAMES
-from pagedweight.results.metrics import Slo, request_rows, summarize
+from pagedweight.results.metrics import REQUEST_COLUMNS, Slo, request_rows, summarize
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -93,8 +93,8 @@ def write_policy_tables(parts_dir: Path, policy: str, requests: list[Request], c
     ids = np.asarray(core.setup.initial_ids)
     experts = np.arange(len(ids))
     _write_steps(parts_dir / "steps.csv", policy, core.steps.columns())
+    _write_requests(parts_dir / "requests.csv", policy, requests)
     frames = (
-        ("requests", lambda: pd.DataFrame(request_rows(requests))),
         ("transitions", lambda: pd.DataFrame(core.transitions, columns=TRANSITION_COLUMNS)),
         (
             "initial_precisions",
@@ -119,6 +119,19 @@ def _write_steps(path: Path, policy: str, columns: dict[str, np.ndarray], rows_p
     with path.open("w", newline="") as f:
         for start in range(0, max(num_rows, 1), rows_per_write):
             df = pd.DataFrame({c: a[start : start + rows_per_write] for c, a in columns.items()})
+            df.insert(0, "policy", policy)
+            df.to_csv(f, index=False, header=start == 0)
+
+
+def _write_requests(path: Path, policy: str, requests: list[Request], rows_per_write: int = 20_000) -> None:
+    """The request table in slices (a dict per request for an hour of traffic is ~100 MB).
+    Only float columns can differ in type between slices (None or not), and pandas prints a
+    float the same either way, so the file is the one a single table would give."""
+    with path.open("w", newline="") as f:
+        for start in range(0, max(len(requests), 1), rows_per_write):
+            df = pd.DataFrame(request_rows(requests[start : start + rows_per_write]))
+            if df.empty:
+                df = pd.DataFrame(columns=REQUEST_COLUMNS)
             df.insert(0, "policy", policy)
             df.to_csv(f, index=False, header=start == 0)
 
