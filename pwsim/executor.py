@@ -17,6 +17,7 @@ the parent with the same message, so the CLI still prints one line.
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
 import signal
 import sys
 import time
@@ -84,7 +85,9 @@ class BarDisplay(Display):
         tqdm.monitor_interval = 0  # no monitor thread
         self.names = [j.name for j in jobs]
         self.running: dict[int, float] = {}
-        self.bar = tqdm(total=len(jobs), unit="job", leave=False, dynamic_ncols=True, file=sys.stderr)
+        # A terminal that reports 0 columns (a pty without a size) would get an empty bar.
+        width = shutil.get_terminal_size((100, 24)).columns
+        self.bar = tqdm(total=len(jobs), unit="job", leave=False, ncols=width, file=sys.stderr)
         self._last_s = 0.0
 
     def update(self, index: int, fraction: float) -> None:
