@@ -267,6 +267,7 @@ def main() -> int:
         head = f"{'case':9s} {'tree':6s} {'x':>2s} {'requests':>9s} {'steps':>9s} {'sim_s':>7s} {'wall_s':>7s} "
         print(head + f"{'cpu_s':>7s} {'us/step':>8s} {'peak MiB':>9s}")
         profiles = {}
+        previous: dict = {}
         for case in cases:
             for times in [int(t) for t in args.times.split(",")] if case == "azure" else [1]:
                 for label, tree in trees:
@@ -281,6 +282,12 @@ def main() -> int:
                     )
                     if case == "run":
                         print(f"          per policy (wall s): {r['policy_wall_s']}", flush=True)
+                    outcome = {k: r[k] for k in ("steps", "completed", "output_throughput", "policies") if k in r}
+                    if label == "before":
+                        previous = outcome
+                    elif len(trees) > 1:
+                        same = "the same results" if outcome == previous else "DIFFERENT RESULTS"
+                        print(f"          {same} as before (steps, completed, output throughput)", flush=True)
             if args.profile and case != "run":
                 for label, tree in trees:
                     profiles[(case, label)] = run_case(tree, workdirs[label], case, args.policy, 1, True, 1)
