@@ -17,7 +17,7 @@ the parent with the same message, so the CLI still prints one line.
 from __future__ import annotations
 
 import multiprocessing as mp
-import shutil
+import os
 import signal
 import sys
 import time
@@ -85,9 +85,8 @@ class BarDisplay(Display):
         tqdm.monitor_interval = 0  # no monitor thread
         self.names = [j.name for j in jobs]
         self.running: dict[int, float] = {}
-        # A terminal that reports 0 columns (a pty without a size) would get an empty bar.
-        width = shutil.get_terminal_size((100, 24)).columns
-        self.bar = tqdm(total=len(jobs), unit="job", leave=False, ncols=width, file=sys.stderr)
+        columns, lines = _terminal_size()
+        self.bar = tqdm(total=len(jobs), unit="job", leave=False, ncols=columns, nrows=lines, file=sys.stderr)
         self._last_s = 0.0
 
     def update(self, index: int, fraction: float) -> None:
@@ -111,6 +110,16 @@ class BarDisplay(Display):
         if getattr(self, "bar", None) is not None:
             self.bar.close()
             self.bar = None
+
+
+def _terminal_size() -> tuple[int, int]:
+    """stderr's terminal size, 100 x 24 where it reports none: a pty without a size says 0 x 0,
+    and tqdm would draw an empty bar, or none at all (it hides bars below the last row)."""
+    try:
+        columns, lines = os.get_terminal_size(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):
+        columns = lines = 0
+    return columns or 100, lines or 24
 
 
 def auto_display(enabled: bool = True, write: Callable[[str], None] | None = None) -> Display:

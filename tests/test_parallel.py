@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,6 +76,34 @@ def test_run_prints_a_line_per_policy_when_not_on_a_terminal(tmp_path):
     assert "\r" not in done.stderr  # no bar updates in a log
     policy_lines = [line for line in done.stderr.splitlines() if line.startswith("static-")]
     assert len(policy_lines) == 2 and all("simulated s in" in line for line in policy_lines)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pseudo-terminal for stderr")
+def test_run_draws_a_bar_only_on_a_terminal(tmp_path):
+    """With stderr a terminal (here a pseudo-terminal that reports no size, the hardest case)
+    the progress is one bar counting jobs, and each policy's line is printed above it."""
+    import pty
+
+    primary, secondary = pty.openpty()
+    args = [sys.executable, "-m", "pwsim.cli", "run", str(FIXTURES / "scenarios" / "good.yaml"), "--jobs", "2"]
+    args += ["--out", str(tmp_path / "out"), "--no-report", "--policy", "static-fp16", "--policy", "static-int4"]
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=secondary, stdin=subprocess.DEVNULL)
+    os.close(secondary)
+    chunks = []
+    while True:  # read while it runs: a full pty buffer would block the writer
+        try:
+            data = os.read(primary, 65536)
+        except OSError:  # EIO: every writer has closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(primary)
+    assert p.wait(timeout=300) == 0
+    err = b"".join(chunks).decode(errors="replace")
+    assert re.search(r"\d+%\|.*\| [0-2]/2 .*job", err), err  # the bar, counting jobs
+    lines = [line.rstrip("\r").rpartition("\r")[2] for line in err.split("\n")]  # what a terminal shows
+    assert sum(line.startswith("static-") and "simulated s in" in line for line in lines) == 2, err
 
 
 # ---- Ctrl-C -----------------------------------------------------------------------------------
