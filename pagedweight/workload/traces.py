@@ -344,7 +344,7 @@ def _assemble(
                 row,
                 time_column,
                 "earlier than the row before it; sort the file by time, or opt in to sorting it on load "
-                "(workload sort: true in a scenario)",
+                "(workload sort: true in a scenario; pwsim trace stats --sort)",
             )
         order = np.argsort(arrival_s, kind="stable")
         arrival_s, prompt, output = arrival_s[order], prompt[order], output[order]
