@@ -183,7 +183,7 @@ class StepRecorder:
     """One row per engine step, appended on the hot path of a run (~110,000 rows for an hour of
     simulated chat traffic, ~250,000 for an hour of long context).
 
-    Rows are held column by column in blocks of ``CHUNK_ROWS`` steps (224 bytes a step: int64
+    Rows are held column by column in blocks of ``CHUNK_ROWS`` steps (216 bytes a step: int64
     counts, float64 times and ratios), not as Python objects: a tuple per step cost ~700 bytes
     and a conversion at the end. ``columns()`` joins the blocks once and hands out views."""
 
