@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from pagedweight.core.spec import PRECISION_NAMES
+from pagedweight.policy.controller import ChangeKind
 from pwgpu.engine import Engine, EngineRequest
 from pwgpu.sampling import SamplingParams
 
@@ -82,7 +83,7 @@ class EngineThread:
                 self._wake.clear()
         except Exception as e:  # the server answers 503 from now on and tells waiting clients why
             self.error = f"{type(e).__name__}: {e}"
-            for er in list(eng._by_req.values()):
+            for er in eng.unfinished():
                 if er.on_event is not None:
                     er.finish_reason = "error"
                     er.on_event(er, [], True)
@@ -158,11 +159,11 @@ class EngineThread:
             gauge(
                 "pwgpu:pool_pages", "Pages of the unified pool by owner.", usage.get(owner, 0), labels={"owner": owner}
             )
-        kinds = {"downgrade": 0, "upgrade": 0, "abort": 0}
+        kinds = dict.fromkeys(ChangeKind, 0)
         for t in core.transitions:
-            kinds[t[5]] = kinds.get(t[5], 0) + 1
+            kinds[t.kind] += 1
         for kind, n in kinds.items():
-            gauge("pwgpu:precision_transitions_total", "Expert precision changes.", n, "counter", {"kind": kind})
+            gauge("pwgpu:precision_transitions_total", "Expert precision changes.", n, "counter", {"kind": kind.value})
         with self._lock:
             for h in (self.ttft, self.itl, self.e2e):
                 lines.extend(h.render())

@@ -68,13 +68,13 @@ def request_rows(requests: list[Request]) -> list[dict]:
     rows = []
     for r in requests:
         ttft = _ms(r.first_token_s, r.arrival_s)
-        e2el = _ms(r.finish_s, r.arrival_s) if r.state == FINISHED else float("nan")
+        e2el = _ms(r.finish_s, r.arrival_s) if r.state is FINISHED else float("nan")
         n = r.num_output_tokens
-        tpot = (e2el - ttft) / (n - 1) if r.state == FINISHED and n > 1 else float("nan")
+        tpot = (e2el - ttft) / (n - 1) if r.state is FINISHED and n > 1 else float("nan")
         rows.append(
             {
                 "request_id": r.request_id,
-                "state": r.state,
+                "state": r.state.value,
                 "arrival_s": r.arrival_s,
                 "prompt_tokens": r.prompt_tokens,
                 "max_output_tokens": r.max_output_tokens,
@@ -108,7 +108,7 @@ def _stats(name: str, values: np.ndarray, out: dict) -> None:
 
 def summarize(requests: list[Request], slo: Slo = Slo(), steps: dict[str, np.ndarray] | None = None) -> dict:
     """The run's summary. ``steps`` (``StepRecorder.columns()``) adds KV usage figures."""
-    done = [r for r in requests if r.state == FINISHED]
+    done = [r for r in requests if r.state is FINISHED]
     rows = request_rows(done)
     ttft = np.array([r["ttft_ms"] for r in rows], dtype=float)
     tpot = np.array([r["tpot_ms"] for r in rows], dtype=float)
@@ -126,8 +126,8 @@ def summarize(requests: list[Request], slo: Slo = Slo(), steps: dict[str, np.nda
     out = {
         "num_requests": len(requests),
         "completed": len(done),
-        "rejected": sum(r.state == REJECTED for r in requests),
-        "unfinished": len(requests) - len(done) - sum(r.state == REJECTED for r in requests),
+        "rejected": sum(r.state is REJECTED for r in requests),
+        "unfinished": len(requests) - len(done) - sum(r.state is REJECTED for r in requests),
         "duration_s": duration_s,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
@@ -197,7 +197,7 @@ class StepRecorder:
         bytes_swapped: int = 0,
         quality_proxy: float = 0.0,
     ) -> None:
-        counts = pool._count  # read-only view; copying the whole usage dict per step costs more
+        counts = pool.owner_counts  # a read-only view: copying the usage dict per step costs more
         capacity = kv_blocks_used + kv_blocks_free
         self._rows.append(
             (
