@@ -301,9 +301,9 @@ class Engine:
                     er.req.stop_early = True
                     er.finish_reason = "stop"
                 self._sampled.append((er, tok))
-        routing = counts.cpu().numpy()  # the step's one copy of the counts to the host
+        step.observe_routing(counts.cpu().numpy())  # the step's one copy of the counts to the host
         self.clock.step_done(step.start_s)
-        return Executed(routing)
+        return Executed()
 
     def _emit(self, er: EngineRequest, new_ids: list[int], finished: bool) -> None:
         if er.on_event is not None:

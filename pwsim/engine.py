@@ -147,6 +147,7 @@ class SimEngine:
         """The step's time from the latency model, its routing from the sampler."""
         shape, latency = step.shape, self.latency
         tokens = self.routing.sample(shape.num_tokens)
+        step.observe_routing(tokens)
         # Downgrades are quantised on the device from the resident copy: HBM-bound, and the
         # step that needs the freed pages waits for them.
         quantize_s = 0.0
@@ -159,7 +160,7 @@ class SimEngine:
         if swapped_bytes:  # kv-swap: KV copies over PCIe, before the step that needs the blocks
             duration_s += latency.h2d_time_s(swapped_bytes)
             self.bytes_h2d += batch.swapped_in_tokens * self._kv_bytes_per_token
-        return Executed(tokens, duration_s, swapped_bytes, wait=self.env.timeout(duration_s))
+        return Executed(duration_s, swapped_bytes, wait=self.env.timeout(duration_s))
 
     def run(self, progress=None) -> None:
         """Run to the last request. ``progress(now_s)`` is called every 1/200 of the trace."""

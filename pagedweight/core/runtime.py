@@ -9,8 +9,8 @@ One step (``RuntimeCore.step``)::
                                         then preempts
     execute(step)                       the runtime: pwsim times the step from its latency model and
                                         samples routing; pwgpu runs the forward pass, counts the
-                                        router's choices and samples tokens
-    controller.observe_routing(counts)  tokens per expert: the routing-drift tracker
+                                        router's choices and samples tokens. Either reports the
+    step.observe_routing(counts)        tokens per expert to the controller's drift tracker
     (the step's time passes)            pwsim: a SimPy timeout; pwgpu: it already has
     scheduler.finish_step(now)          tokens appended, finished requests released
     record_step                         one row of steps.csv
@@ -150,8 +150,10 @@ def _check_same_shape(want: ModelSpec, got: ModelSpec) -> None:
 
 @dataclass(slots=True, eq=False)
 class Step:
-    """One step as the core planned it; ``RuntimeCore.on_step`` sees it once it is recorded."""
+    """One step as the core planned it. The runtime's ``execute`` reports the step's routing
+    through ``observe_routing``; ``RuntimeCore.on_step`` sees the step once it is recorded."""
 
+    core: RuntimeCore
     index: int  # its row in steps.csv
     start_s: float
     batch: Batch
@@ -159,12 +161,20 @@ class Step:
     changes: list[Change]  # precision changes applied while planning and scheduling it
     routing: np.ndarray | None = None  # (MoE layers, experts) tokens routed to each expert
 
+    def observe_routing(self, tokens_per_expert: np.ndarray) -> None:
+        """Report the tokens each expert received in this step, (MoE layers, experts): the
+        simulator's sampled counts, the engine's real ones. The controller's drift tracker sees
+        them; every step must report them, once."""
+        if self.routing is not None:
+            raise PagedWeightError(f"step {self.index}: routing reported twice")
+        self.routing = tokens_per_expert
+        self.core.observe_routing(tokens_per_expert)
+
 
 @dataclass(slots=True)
 class Executed:
-    """What a runtime's ``execute`` reports about the step it ran."""
+    """What a runtime's ``execute`` says about the step it ran, besides its routing."""
 
-    routing: np.ndarray  # (MoE layers, experts) tokens routed to each expert (int)
     duration_s: float | None = None  # None: measured on the runtime's clock, start to finish
     bytes_swapped: int = 0  # KV bytes moved between host and device (the kv-swap policy)
     # What the runtime waits on before the step finishes (pwsim: the SimPy timeout of its
@@ -261,10 +271,10 @@ class RuntimeCore:
         self._step_changes = None
         if not batch.requests:
             return None
-        step = Step(len(self.steps), start_s, batch, batch.shape(), changes)
+        step = Step(self, len(self.steps), start_s, batch, batch.shape(), changes)
         executed = execute(step)
-        step.routing = executed.routing
-        self.observe_routing(executed.routing)
+        if step.routing is None:
+            raise PagedWeightError(f"{self.policy}: step {step.index} ran without reporting its routing")
         if executed.wait is not None:
             yield executed.wait
         end_s = self.clock()
