@@ -60,6 +60,17 @@ def scenario_engine_config(run: ScenarioRun, device: str | None = None, dtype: s
     return EngineConfig(core=run.core, device=device, dtype=dtype or SCENARIO_DTYPE)
 
 
+def policy_engine(
+    model_dir: str | Path,
+    base: EngineConfig,
+    policy: str,
+    table: ImportanceTable | None = None,
+    clock: Clock | None = None,
+) -> Engine:
+    """The engine of one policy of a run."""
+    return Engine(model_dir, dataclasses.replace(base, policy=policy), table, clock)
+
+
 def run_policies(
     model_dir: str | Path,
     trace: RequestTrace,
@@ -83,7 +94,7 @@ def run_policies(
     for policy in policies:
         wall0 = time.perf_counter()
         try:
-            engine = Engine(model_dir, dataclasses.replace(base, policy=policy), table, clock() if clock else None)
+            engine = policy_engine(model_dir, base, policy, table, clock() if clock else None)
         except PolicyInfeasible as e:
             errors[policy] = str(e)
             continue
