@@ -71,7 +71,7 @@ def test_serving_new_text_moves_precision_to_the_experts_it_uses():
     prose = tok.encode((ROOT / "data" / "calib" / "shakespeare.txt").read_text())
     probe = Engine(MODEL, EngineConfig(CoreConfig(budget_bytes=256 << 20), "static-fp16", dtype="float32"))
     spec, page_bytes = probe.spec, probe.page_bytes
-    pinned_pages, bf16_pages = probe.core.pool.num_owned(2), probe.core.pool.usage()["weight:bf16"]
+    pinned_pages, bf16_pages = probe.core.pool.usage()["pinned"], probe.core.pool.usage()["weight:bf16"]
     del probe
     # Room for 40% of the experts' bf16 bytes beside a phase's KV: precision must be shared out.
     kv_pages = -(-PROMPTS * (PROMPT_TOKENS + 2) * spec.kv_bytes_per_token() // page_bytes) + PROMPTS
