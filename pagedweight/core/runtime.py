@@ -16,9 +16,9 @@ One step (``RuntimeCore.step``)::
     record_step                         one row of steps.csv
 
 A runtime supplies only a clock, its ``execute`` and a ``TransitionBackend``, the physical part
-of a precision change: ``pwsim``'s backend queues upgrades on its simulated copy engine (their
-quantise time is charged to the step in its ``execute``); ``pwgpu``'s quantises on the device
-and copies from the host master on a side stream. Everything else, including the order of
+of a precision change: ``pwsim``'s backend queues upgrades on its simulated copy engine (a
+downgrade's quantise time is charged to the step that made it, in its ``execute``); ``pwgpu``'s
+quantises on the device and copies from the host master on a side stream. Everything else, including the order of
 operations within a change (reserve new pages, fill them, flip, free the old) and the stall
 check, lives here once.
 """
@@ -100,9 +100,9 @@ class TransitionRecord:
 @dataclass(frozen=True, kw_only=True)
 class CoreConfig:
     """Everything ``RuntimeCore`` needs besides the policy and the importance table, whoever
-    says it: a scenario (``pagedweight.config.run.core_config``) or a command line. Each setting's default lives here
-    (or in ``SchedulerConfig`` / ``ControllerSettings``) and nowhere else. ``None`` means
-    derived from the model by ``for_model``."""
+    says it: a scenario (``pagedweight.config.run.core_config``) or a command line. Each
+    setting's default lives here (or in ``SchedulerConfig`` / ``ControllerSettings``) and
+    nowhere else. ``None`` means derived from the model by ``for_model``."""
 
     budget_bytes: int  # the whole pool: pinned weights, routed experts and KV blocks
     model: ModelSpec | None = None  # None: the runtime's own (the engine: its checkpoint's)
@@ -142,9 +142,14 @@ def _check_same_shape(want: ModelSpec, got: ModelSpec) -> None:
     }
     for what, fact in facts.items():
         if fact(want) != fact(got):
+            hint = (
+                f" ({want.name} counts {want.dtype_bytes}-byte weights and KV; this one {got.dtype_bytes})"
+                if want.dtype_bytes != got.dtype_bytes
+                else ""
+            )
             raise ConfigError(
                 f"model {got.name} ({got.source}) does not match the configured {want.name}: "
-                f"{what} {fact(got)} vs {fact(want)}"
+                f"{what} {fact(got)} vs {fact(want)}{hint}"
             )
 
 
@@ -153,7 +158,7 @@ class Step:
     """One step as the core planned it. The runtime's ``execute`` reports the step's routing
     through ``observe_routing``; ``RuntimeCore.on_step`` sees the step once it is recorded."""
 
-    core: RuntimeCore
+    core: RuntimeCore = field(repr=False)
     index: int  # its row in steps.csv
     start_s: float
     batch: Batch
