@@ -148,6 +148,7 @@ class Batch:
             np.array(self.prefill_tokens, dtype=np.int64),
             np.array(self.prefill_kv_lens, dtype=np.int64),
             np.array(self.decode_kv_lens, dtype=np.int64),
+            sum(self.prefill_tokens),
         )
 
     def add(self, req: Request, num_new: int, remaining: int) -> None:
