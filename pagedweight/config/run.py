@@ -3,8 +3,8 @@ the core's, for ``pwsim run`` and ``pwgpu run --scenario`` alike.
 
 ``scenario_run`` builds the requests, the importance table and the ``CoreConfig`` once; each
 runtime adds only what is its own (the simulator: latency model and routing sampler; the
-engine: checkpoint, device and dtype). tests/gpu_engine/test_scenario_keys.py walks every key of the
-scenario schema and checks it reaches both runtimes with the same value.
+engine: checkpoint, device and dtype). tests/gpu_engine/test_scenario_keys.py walks every key
+of the scenario schema and checks it reaches both runtimes with the same value.
 """
 
 from __future__ import annotations
