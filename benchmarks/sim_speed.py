@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedweight.config.run import core_config
 from pagedweight.config.scenario import importance_table, load_scenario
-from pagedweight.core.runtime import core_config
 from pagedweight.results.metrics import Slo
 from pagedweight.results.writer import policy_summary
 from pagedweight.workload.traces import RequestTrace, load_azure

@@ -9,17 +9,21 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import numpy as np
-import yaml
-
-from pagedweight.config.scenario import LoadedScenario, importance_table
-from pagedweight.core.runtime import core_config
+from pagedweight.config.latency import RoutingConfig
+from pagedweight.config.run import ScenarioRun, scenario_run
+from pagedweight.config.scenario import LoadedScenario
 from pagedweight.policy.policies import PolicyInfeasible
-from pagedweight.results.metrics import Slo
-from pagedweight.results.writer import ResultsWriter, policy_summary
-from pagedweight.workload.build import build_workload
+from pagedweight.results.writer import ResultsWriter, policy_summary, run_meta, trace_meta
 from pwsim.engine import SimEngine
-from pwsim.latency import build_latency_model
+from pwsim.latency import LatencyModel, build_latency_model
+
+
+def scenario_engine(run: ScenarioRun, policy: str, latency: LatencyModel, routing: RoutingConfig) -> SimEngine:
+    """The simulated engine of one policy of a scenario."""
+    return SimEngine(
+        run.core, policy, run.trace, run.table, latency, routing.resolved_kind(True), seed=run.seed,
+        routing_alpha=routing.zipf_alpha,
+    )  # fmt: skip
 
 
 def run_scenario(
@@ -30,33 +34,26 @@ def run_scenario(
     report: bool = True,
 ) -> dict:
     sc, model = loaded.scenario, loaded.model
-    trace = build_workload(sc.workload, loaded.base_dir, loaded.max_model_len, np.random.default_rng(sc.seed))
-    table = importance_table(loaded)
+    run = scenario_run(loaded, policies)
+    trace, table = run.trace, run.table
     latency = build_latency_model(sc.latency, model, loaded.gpu, loaded.base_dir)
-    cfg = core_config(loaded)
-    routing_kind = sc.routing.resolved_kind(True)
-    slo = Slo(sc.slo.ttft_ms, sc.slo.tpot_ms, sc.slo.e2el_ms)
-    writer = ResultsWriter(
-        Path(out_dir),
-        {
-            "runtime": "pwsim",
-            "scenario": sc.name,
-            "model": model.name,
-            "gpu": loaded.gpu.name,
-            "budget_bytes": loaded.budget_bytes,
-            "page_bytes": sc.memory.page_bytes,
-            "latency_model": latency.describe(),
-            "importance": table.provenance,
-            "trace": {"source": trace.source, "num_requests": len(trace), "notes": list(trace.notes)},
-            "seed": sc.seed,
-        },
+    meta = run_meta(
+        runtime="pwsim",
+        scenario=run.name,
+        model=model.name,
+        gpu=loaded.gpu.name,
+        budget_bytes=run.core.budget_bytes,
+        page_bytes=run.core.page_bytes,
+        latency_model=latency.describe(),
+        importance=table.provenance,
+        trace=trace_meta(trace),
+        seed=run.seed,
     )
-    for policy in policies or list(sc.policies):
+    writer = ResultsWriter(Path(out_dir), meta)
+    for policy in run.policies:
         wall0 = time.perf_counter()
         try:
-            eng = SimEngine(
-                cfg, policy, trace, table, latency, routing_kind, seed=sc.seed, routing_alpha=sc.routing.zipf_alpha
-            )
+            eng = scenario_engine(run, policy, latency, sc.routing)
         except PolicyInfeasible as e:
             writer.add_error(policy, str(e))
             continue
@@ -64,12 +61,12 @@ def run_scenario(
         eng.run(progress=bar.update_to if bar else None)
         if bar:
             bar.close()
-        summary = policy_summary(eng.requests, eng.core, slo, time.perf_counter() - wall0, eng.bytes_h2d)
+        summary = policy_summary(eng.requests, eng.core, run.slo, time.perf_counter() - wall0, eng.bytes_h2d)
         writer.add(policy, eng.requests, eng.core, summary)
     out_of_grid = getattr(latency, "out_of_grid", None)
     if out_of_grid:  # points the latency table did not cover: timed by the analytic fallback
         writer.meta["out_of_grid"] = dict(out_of_grid)
-    meta = writer.write(yaml.safe_dump(sc.model_dump(mode="json"), sort_keys=False))
+    meta = writer.write(run.resolved_yaml)
     if report:
         from pagedweight.results.report import write_report
 

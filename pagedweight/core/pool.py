@@ -60,6 +60,9 @@ class PagePool:
         self._owner_of = np.zeros(self.num_pages, dtype=np.int16)
         self._count = np.zeros(NUM_OWNERS, dtype=np.int64)
         self._count[OWNER_FREE] = self.num_pages
+        # Pages per owner code, live and read-only, for readers on the hot path (step records).
+        self.owner_counts = self._count.view()
+        self.owner_counts.flags.writeable = False
         # Free pages as a stack; the low page ids are handed out first (top of the stack).
         self._free_stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = self.num_pages
