@@ -26,7 +26,7 @@ import os
 import sys
 
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048)
-PRECISIONS = ("fp16", "bf16", "fp8", "int8", "int4", "int3", "int2")
+PRECISIONS = ("fp16", "bf16", "fp8", "int8", "int4", "int3", "int2", "fp8-b128")
 FLUSH_BYTES = 256 << 20  # larger than any GPU's L2: weights are re-read from HBM every repetition
 
 

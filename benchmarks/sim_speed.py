@@ -110,8 +110,8 @@ def one_policy(workdir: Path, case: str, policy: str, times: int, profile: bool)
     """One policy over the case's trace, in this process."""
     import numpy as np
 
+    from pagedweight.config.run import core_config
     from pagedweight.config.scenario import importance_table
-    from pagedweight.core.runtime import core_config
     from pagedweight.results.metrics import Slo
     from pagedweight.results.writer import policy_summary
     from pagedweight.workload.build import build_workload

@@ -4,7 +4,9 @@ KV block ``b`` (``pagedweight.core.pool.KvBlockAllocator``: ``b = page * blocks_
 lives at byte ``page * page_bytes + slot * block_bytes`` of the arena and holds, for its
 ``block_tokens`` tokens, every layer's K and V: ``[L, 2, T_blk, Hkv, D]`` in the KV dtype. One
 block per token range for all layers keeps a block's size equal to the scheduler's
-``block_tokens * kv_bytes_per_token``, the unit the pool counts.
+``block_tokens * kv_bytes_per_token``, the unit the pool counts. Multi-head latent attention
+(DeepSeek-V2/V3) caches one part per token instead of two: the compressed latent and the
+shared RoPE key, ``[L, 1, T_blk, 1, kv_lora_rank + qk_rope_head_dim]`` (``pwgpu.mla``).
 
 - ``paged_attention``: every request with one new token (the decodes, also in a batch mixed
   with prefill chunks) goes through one batched ``paged_decode`` call (Triton on CUDA,
@@ -55,51 +57,59 @@ class PagedKvCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        num_parts: int = 2,
     ):
+        """``num_parts``: 2 (K and V) or 1 (MLA's latent)."""
         elem = torch.tensor([], dtype=dtype).element_size()
-        self.block_bytes = num_layers * 2 * block_tokens * num_kv_heads * head_dim * elem
+        self.block_bytes = num_layers * num_parts * block_tokens * num_kv_heads * head_dim * elem
         if page_bytes % elem or blocks_per_page * self.block_bytes > page_bytes:
             raise ConfigError(f"{blocks_per_page} KV blocks of {self.block_bytes} B do not fit a {page_bytes} B page")
         self.arena, self.dtype = arena, dtype
         self.page_bytes, self.block_tokens, self.blocks_per_page = page_bytes, block_tokens, blocks_per_page
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_parts = num_parts
         num_pages = arena.numel() // page_bytes
         self.typed = typed = arena[: num_pages * page_bytes].view(dtype)  # the arena as KV elements
         tok = num_kv_heads * head_dim
         strides = (
             page_bytes // elem,
             self.block_bytes // elem,
-            2 * block_tokens * tok,
+            num_parts * block_tokens * tok,
             block_tokens * tok,
             tok,
             head_dim,
             1,
         )
-        size = (num_pages, blocks_per_page, num_layers, 2, block_tokens, num_kv_heads, head_dim)
-        self.view = torch.as_strided(typed, size, strides)  # [pages, bpp, L, 2, T_blk, Hkv, D]
+        size = (num_pages, blocks_per_page, num_layers, num_parts, block_tokens, num_kv_heads, head_dim)
+        self.view = torch.as_strided(typed, size, strides)  # [pages, bpp, L, parts, T_blk, Hkv, D]
 
-    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [T, Hkv, D] into token ``offsets[i]`` of block ``blocks[i]``."""
+    def write(
+        self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None
+    ) -> None:
+        """k, v [T, Hkv, D] into token ``offsets[i]`` of block ``blocks[i]`` (v is None for MLA)."""
         page, slot = blocks // self.blocks_per_page, blocks % self.blocks_per_page
         self.view[page, slot, layer, 0, offsets] = k.to(self.dtype)
-        self.view[page, slot, layer, 1, offsets] = v.to(self.dtype)
+        if v is not None:
+            self.view[page, slot, layer, 1, offsets] = v.to(self.dtype)
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block_table [B, M] -> K, V [B, M * T_blk, Hkv, D]: one indexed copy each; the
         reshape that joins the blocks is a view."""
+        return self.gather_part(layer, block_table, 0), self.gather_part(layer, block_table, 1)
+
+    def gather_part(self, layer: int, block_table: torch.Tensor, part: int) -> torch.Tensor:
+        """block_table [B, M] -> part ``part`` (0: K or MLA's latent, 1: V) [B, M * T_blk, Hkv, D]."""
         b, m = block_table.shape
         page, slot = block_table // self.blocks_per_page, block_table % self.blocks_per_page
         shape = (b, m * self.block_tokens, self.num_kv_heads, self.head_dim)
-        k = self.view[page, slot, layer, 0].reshape(shape)  # [B, M, T_blk, Hkv, D] -> [B, C, Hkv, D]
-        v = self.view[page, slot, layer, 1].reshape(shape)
-        return k, v
+        return self.view[page, slot, layer, part].reshape(shape)  # [B, M, T_blk, Hkv, D] -> [B, C, Hkv, D]
 
     def block_offsets(self, layer: int, block_table: torch.Tensor) -> torch.Tensor:
         """Element offset of each block's layer-``layer`` K section in the typed arena: [B, M]."""
         elem = self.view.element_size()
         page, slot = block_table // self.blocks_per_page, block_table % self.blocks_per_page
         base = page * (self.page_bytes // elem) + slot * (self.block_bytes // elem)
-        return base + layer * 2 * self.block_tokens * self.num_kv_heads * self.head_dim
+        return base + layer * self.num_parts * self.block_tokens * self.num_kv_heads * self.head_dim
 
 
 def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -5,6 +5,9 @@ makes ``pwgpu serve`` work with no download; its text is noise.
 
 Sizes: 4 layers, H=128, 8 experts of F=256, top-2, 4 query / 2 KV heads of 32: each expert
 matrix is 64 KiB at bf16 and 17 KiB at int4, so with 32 KiB pages a downgrade really frees pages.
+
+Random checkpoints shaped like a built-in model (``random_model_dir``: ``pwgpu run --like``) serve
+GPU benchmarks: Mixtral-format for GQA models, FP8 DeepSeek checkpoints for MLA ones.
 """
 
 from __future__ import annotations
@@ -150,12 +153,162 @@ def mixtral_config_like(spec, num_layers: int | None = None) -> dict:
 
 
 def random_model_dir(spec, num_layers: int | None = None) -> Path:
-    """A cached random checkpoint shaped like ``spec`` (see ``mixtral_config_like``); created on
-    first use. Without a tokenizer: prompts are token ids."""
-    cfg = mixtral_config_like(spec, num_layers)
-    d = cache_dir() / f"random-{spec.name}-{cfg['num_hidden_layers']}l"
+    """A cached random checkpoint shaped like ``spec``, created on first use: Mixtral format
+    (``mixtral_config_like``), or for an MLA spec (DeepSeek-V2/V3) an FP8 block-scaled DeepSeek
+    checkpoint (``deepseek_config_like``, ``write_random_deepseek_fp8``). Without a tokenizer:
+    prompts are token ids."""
+    mla = spec.attention == "mla"
+    cfg = deepseek_config_like(spec, num_layers) if mla else mixtral_config_like(spec, num_layers)
+    d = cache_dir() / f"random-{spec.name}-{cfg['num_hidden_layers']}l{'-fp8' if mla else ''}"
     if not (d / "config.json").is_file():
         tmp = d.with_name(f".{d.name}.tmp{os.getpid()}")
-        write_random_mixtral(tmp, seed=0, config=cfg, tokenizer=False)
+        if mla:
+            write_random_deepseek_fp8(tmp, cfg, seed=0)
+        else:
+            write_random_mixtral(tmp, seed=0, config=cfg, tokenizer=False)
         os.replace(tmp, d)
     return d
+
+
+def deepseek_config_like(spec, num_layers: int | None = None) -> dict:
+    """A DeepSeek ``config.json`` with the shape of an MLA ``ModelSpec`` (e.g. deepseek-v3),
+    optionally cut to ``num_layers`` of which at most half are the leading dense ones (so a cut
+    keeps MoE layers), FP8 block-scaled as DeepSeek-V3 ships. The router is V3's (sigmoid,
+    8 groups of which 4 are searched, scaling 2.5) for a ``sigmoid_renorm`` spec, else V2's greedy
+    softmax. The real model's YaRN RoPE is left out: random weights have no long context to keep."""
+    if spec.attention != "mla":
+        raise ConfigError(f"{spec.name} has no multi-head latent attention: not DeepSeek-shaped")
+    layers = num_layers or spec.num_layers
+    v3 = spec.router_norm == "sigmoid_renorm"
+    groups = 8 if v3 and spec.num_experts % 8 == 0 and spec.num_experts >= 16 else 1
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.dense_ffn_size or spec.expert_ffn_size,
+        "moe_intermediate_size": spec.expert_ffn_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_heads,
+        "n_shared_experts": spec.num_shared_experts,
+        "n_routed_experts": spec.num_experts,
+        "num_experts_per_tok": spec.top_k,
+        "first_k_dense_replace": min(spec.num_dense_layers, layers // 2),
+        "kv_lora_rank": spec.kv_lora_rank,
+        "q_lora_rank": spec.q_lora_rank or None,
+        "qk_rope_head_dim": spec.qk_rope_head_dim,
+        "qk_nope_head_dim": spec.qk_nope_head_dim,
+        "v_head_dim": spec.v_head_dim,
+        "routed_scaling_factor": 2.5 if v3 else 1.0,
+        "norm_topk_prob": v3,
+        "max_position_embeddings": spec.max_context_tokens,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+        "quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+        },
+    }  # fmt: skip
+    if v3:
+        cfg |= {"n_group": groups, "topk_group": min(4, groups), "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    return cfg
+
+
+# Random E4M3 codes: magnitudes below 4 (codes under 0x48) with a random sign, never NaN (0x7F).
+_FP8_CODES = 0x48
+
+
+def _random_fp8(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 codes [n, k], block scales): weights of RMS about ``k ** -0.5``."""
+    from pwgpu.fp8_checkpoint import scale_shape
+
+    x = torch.randint(0, 2 * _FP8_CODES, (n, k), generator=g, dtype=torch.uint8)
+    codes = torch.where(x >= _FP8_CODES, (x - _FP8_CODES) | 0x80, x)
+    rms = 1.13  # root mean square of these codes' values (the largest is 3.75)
+    return codes.view(torch.float8_e4m3fn), torch.full(scale_shape((n, k)), 1.0 / (rms * k**0.5))
+
+
+def write_random_deepseek_fp8(path: str | Path, cfg: dict, seed: int = 0) -> Path:
+    """A random DeepSeek checkpoint as ``cfg`` describes it, every linear layer FP8 with block
+    scales, one safetensors shard per layer (the full model does not fit in memory at once).
+
+    Built for speed at DeepSeek-V3 size (a 256-expert layer is 11 GB): the codes are drawn as
+    bytes, not quantised from floats, and each MoE layer draws one code matrix per projection
+    that its experts hold rotated by different row offsets, so experts differ without drawing
+    11 GB of random numbers per layer. Timing, not text, is what such a model is for."""
+    from safetensors.torch import save_file
+
+    from pwgpu.fp8_checkpoint import scale_name
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    h, heads, rank, rope = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    nope, v_dim, q_rank = cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["q_lora_rank"]
+    experts, f = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    weight_map: dict[str, str] = {}
+
+    def fp8(t: dict, name: str, n: int, k: int) -> None:
+        t[name], t[scale_name(name)] = _random_fp8(n, k, g)
+
+    def shard(t: dict, i: int) -> None:
+        name = f"model-{i:05d}.safetensors"
+        save_file(t, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(t, name))
+
+    def rand(*shape, std):
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+    top = {
+        "model.embed_tokens.weight": rand(cfg["vocab_size"], h, std=1.0),
+        "model.norm.weight": torch.ones(h).bfloat16(),
+    }
+    if not cfg["tie_word_embeddings"]:
+        top["lm_head.weight"] = rand(cfg["vocab_size"], h, std=h**-0.5)
+    shard(top, 0)
+    for i in range(cfg["num_hidden_layers"]):
+        p, a, t = f"model.layers.{i}", f"model.layers.{i}.self_attn", {}
+        t[f"{p}.input_layernorm.weight"], t[f"{p}.post_attention_layernorm.weight"] = (
+            torch.ones(h).bfloat16(),
+            torch.ones(h).bfloat16(),
+        )
+        if q_rank:
+            fp8(t, f"{a}.q_a_proj.weight", q_rank, h)
+            t[f"{a}.q_a_layernorm.weight"] = torch.ones(q_rank).bfloat16()
+            fp8(t, f"{a}.q_b_proj.weight", heads * (nope + rope), q_rank)
+        else:
+            fp8(t, f"{a}.q_proj.weight", heads * (nope + rope), h)
+        fp8(t, f"{a}.kv_a_proj_with_mqa.weight", rank + rope, h)
+        t[f"{a}.kv_a_layernorm.weight"] = torch.ones(rank).bfloat16()
+        fp8(t, f"{a}.kv_b_proj.weight", heads * (nope + v_dim), rank)
+        fp8(t, f"{a}.o_proj.weight", h, heads * v_dim)
+        if i < cfg["first_k_dense_replace"]:
+            for m, (n, k) in (("gate", (cfg["intermediate_size"], h)), ("up", (cfg["intermediate_size"], h)),
+                              ("down", (h, cfg["intermediate_size"]))):  # fmt: skip
+                fp8(t, f"{p}.mlp.{m}_proj.weight", n, k)
+            shard(t, i + 1)
+            continue
+        # Router logits of a few units so that experts are picked unevenly, as in trained models.
+        t[f"{p}.mlp.gate.weight"] = rand(experts, h, std=3.0 * h**-0.5)
+        if cfg["model_type"] == "deepseek_v3":
+            t[f"{p}.mlp.gate.e_score_correction_bias"] = torch.zeros(experts)
+        fs = f * cfg["n_shared_experts"]
+        if fs:
+            for m, (n, k) in (("gate", (fs, h)), ("up", (fs, h)), ("down", (h, fs))):
+                fp8(t, f"{p}.mlp.shared_experts.{m}_proj.weight", n, k)
+        for m, (n, k) in (("gate", (f, h)), ("up", (f, h)), ("down", (h, f))):
+            codes, scales = _random_fp8(n, k, g)
+            for e in range(experts):
+                name = f"{p}.mlp.experts.{e}.{m}_proj.weight"
+                t[name], t[scale_name(name)] = (
+                    torch.roll(codes.view(torch.uint8), e, 0).view(torch.float8_e4m3fn),
+                    scales.clone(),
+                )
+        shard(t, i + 1)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return path

@@ -71,6 +71,11 @@ class MoeForward:
         cfg = json.loads(cfg_path.read_text())
         if cfg.get("model_type") != "mixtral":
             raise QualityError(f"{cfg_path}: model_type {cfg.get('model_type')!r}; the quality tools read mixtral")
+        from pwgpu.loader import read_arch
+
+        arch = read_arch(model_dir)  # refuses, by name, every config key no loader implements
+        if arch.rope_yarn is not None or arch.hidden_act != "silu":
+            raise QualityError(f"{cfg_path}: the quality tools compute plain RoPE and SiLU experts only")
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise QualityError(f"{model_dir}: no *.safetensors file")

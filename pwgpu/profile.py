@@ -25,6 +25,7 @@ from pagedweight.errors import ConfigError
 from pwgpu.attention import PagedKvCache, build_batch, paged_attention
 from pwgpu.kernels.paging import PagedExperts
 from pwgpu.loader import DTYPES, default_dtype_name
+from pwgpu.mla import latent_attention
 from pwgpu.model import Rope, rms_norm
 from pwgpu.weights import CPU_DENSE_DTYPE
 
@@ -36,8 +37,8 @@ NOTES = (
     "one elementwise pass, is not timed)",
     "attn_prefill: the engine's paged attention for one chunk of m new tokens whose context after the "
     "chunk is max(kv_len, m) tokens, K/V written into scattered KV blocks first; attn_decode: the "
-    "engine's batched paged decode for batch requests of kv_len tokens each (MLA specs, which the "
-    "engine does not serve: SDPA over contiguous KV with heads expanded)",
+    "engine's batched paged decode for batch requests of kv_len tokens each (MLA specs: the latent "
+    "written into the blocks and the engine's absorbed latent attention, pwgpu/mla.py)",
     "dense: one layer's non-expert work as the engine runs it: two RMSNorms, the q/k/v/o projections, "
     "RoPE, the router softmax and top-k, shared experts, residual adds (MLA: the attention parameters "
     "as one matrix)",
@@ -232,17 +233,27 @@ class Profiler:
             torch.cuda.empty_cache()
 
     def attention(self) -> None:
-        spec = self.model
+        """The engine's KV write and paged attention: GQA (``pwgpu.attention``) or, for MLA specs,
+        the latent write and absorbed attention (``pwgpu.mla``)."""
+        spec, block_tokens = self.model, 16
         if spec.attention == "mla":
-            return self._attention_sdpa()
-        heads, kv_heads, d, block_tokens = spec.num_heads, spec.num_kv_heads, spec.head_dim, 16
-        scale = d**-0.5
+            rank = spec.kv_lora_rank
+            parts, kv_heads, d = 1, 1, rank + spec.qk_rope_head_dim
+            scale = (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** -0.5
+
+            def attend(q, kv, batch):
+                return latent_attention(q, kv, 0, batch, scale, rank)
+        else:
+            parts, kv_heads, d = 2, spec.num_kv_heads, spec.head_dim
+
+            def attend(q, kv, batch):
+                return paged_attention(q, kv, 0, batch, d**-0.5)
 
         def paged(seqs_tokens: list[tuple[int, int]]):
             """(tokens cached, new tokens) per request -> the engine's KV write + paged attention
             over blocks scattered through an arena of exactly the blocks needed."""
             counts = [-(-(c + n) // block_tokens) for c, n in seqs_tokens]
-            kv = _kv_cache(sum(counts), 1, kv_heads, d, block_tokens, self.dtype, self.device)
+            kv = _kv_cache(sum(counts), 1, kv_heads, d, block_tokens, self.dtype, self.device, parts)
             perm = torch.randperm(sum(counts), generator=torch.Generator().manual_seed(0)).tolist()
             seqs, at = [], 0
             for (c, n), cnt in zip(seqs_tokens, counts, strict=True):
@@ -250,12 +261,13 @@ class Profiler:
                 at += cnt
             batch, _ = build_batch(seqs, block_tokens, self.device)
             t = sum(n for _, n in seqs_tokens)
-            q, k, v = self._randn(t, heads, d), self._randn(t, kv_heads, d), self._randn(t, kv_heads, d)
-            kv.write(0, batch.slot_blocks, batch.slot_offsets, k, v)  # fill once, then time write + read
+            q = self._randn(t, spec.num_heads, d)
+            new = [self._randn(t, kv_heads, d) for _ in range(parts)]  # K and V, or MLA's latent
+            kv.write(0, batch.slot_blocks, batch.slot_offsets, *new)  # fill once, then time write + read
 
             def fn():
-                kv.write(0, batch.slot_blocks, batch.slot_offsets, k, v)
-                return paged_attention(q, kv, 0, batch, scale)
+                kv.write(0, batch.slot_blocks, batch.slot_offsets, *new)
+                return attend(q, kv, batch)
 
             return fn
 
@@ -268,24 +280,6 @@ class Profiler:
                 self._record("attn_decode", paged([(kv_len - 1, 1)] * b), batch=b, kv_len=kv_len)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def _attention_sdpa(self) -> None:
-        """MLA specs: SDPA over contiguous KV, heads expanded (the engine does not serve MLA)."""
-        spec = self.model
-        heads, d = spec.num_heads, spec.qk_nope_head_dim + spec.qk_rope_head_dim
-
-        def sdpa(q_len: int, kv_len: int, batch: int, causal: bool):
-            q = self._randn(batch, heads, q_len, d)
-            k = self._randn(batch, heads, kv_len, d)
-            v = self._randn(batch, heads, kv_len, d)
-            return lambda: F_.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-        for m in self.grid.attn_prefill_m:
-            for kv in self.grid.attn_prefill_kv:
-                self._record("attn_prefill", sdpa(m, max(kv, m), 1, causal=kv <= m), m=m, kv_len=kv)
-        for b in self.grid.attn_decode_batch:
-            for kv in self.grid.attn_decode_kv:
-                self._record("attn_decode", sdpa(1, kv, b, causal=False), batch=b, kv_len=kv)
 
     def dense_and_head(self) -> None:
         spec, h = self.model, self.model.hidden_size
@@ -355,12 +349,12 @@ class Profiler:
 
 
 def _kv_cache(num_blocks: int, num_layers: int, kv_heads: int, head_dim: int, block_tokens: int,
-              dtype: torch.dtype, device: torch.device) -> PagedKvCache:  # fmt: skip
+              dtype: torch.dtype, device: torch.device, num_parts: int = 2) -> PagedKvCache:  # fmt: skip
     """A KV cache of ``num_blocks`` blocks, one per page, as the engine lays them out."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    block_bytes = num_layers * 2 * block_tokens * kv_heads * head_dim * elem
+    block_bytes = num_layers * num_parts * block_tokens * kv_heads * head_dim * elem
     arena = torch.zeros(num_blocks * block_bytes, dtype=torch.uint8, device=device)
-    return PagedKvCache(arena, block_bytes, block_tokens, 1, num_layers, kv_heads, head_dim, dtype)
+    return PagedKvCache(arena, block_bytes, block_tokens, 1, num_layers, kv_heads, head_dim, dtype, num_parts)
 
 
 def profile(

@@ -7,11 +7,18 @@ pinned weights (embeddings, attention, norms, routers, shared experts, dense FFN
 into the first pages as views; routed experts live in the pages the page table lists, in the
 packed layout of ``pwgpu.kernels.layout``; KV blocks take the rest (``pwgpu.attention``).
 
+Host master copy (``ExpertMasters``): every routed expert in the checkpoint's own format, the
+top of its precision ladder: 16-bit for a bf16/fp16 checkpoint; for an FP8 block-scaled one the
+checkpoint's E4M3 codes and 128 x 128 block scales themselves (``fp8-b128``), whose ladder goes
+on to INT4 (INT8 would be as large and less precise).
+
 Precision changes (``RuntimeCore.apply`` decides the order: reserve pages, fill, flip, free):
-- downgrade: quantise the host master to the new precision into the new pages, synchronously;
+- downgrade: quantise the host master to the new precision into the new pages, synchronously
+  (an FP8 master is dequantised on the device first);
 - upgrade: copy from the host master on a side stream (CUDA) and flip only when the copy's
-  event has completed (``poll``), so a forward pass never reads a half-written expert. On a CPU
-  the copy is synchronous but still flips at the next ``poll``, as on a GPU.
+  event has completed (``poll``), so a forward pass never reads a half-written expert; an
+  upgrade to the master's own format copies its bytes unchanged. On a CPU the copy is
+  synchronous but still flips at the next ``poll``, as on a GPU.
 
 Forward pass: on CUDA the fused Triton MoE kernel reads the arena through the page table. On a
 CPU each used expert is dequantised from its pages by the kernels' reference path and kept
@@ -22,16 +29,17 @@ Shape legend: E = experts per layer, F = expert FFN size, H = hidden size.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
 from pagedweight.core.pagetable import Transition
 from pagedweight.core.pool import OWNER_PINNED
-from pagedweight.core.spec import PRECISION_NAMES, PRECISIONS
+from pagedweight.core.spec import DEFAULT_LADDER, FP8_BLOCK_LADDER, PRECISION_NAMES
 from pagedweight.errors import ConfigError
 from pwgpu.kernels.paging import PagedExperts
+from pwgpu.kernels.reference import dequantize_ref
 from pwgpu.model import PinnedWeights
 
 ALIGN_BYTES = 16  # every packed tensor and page offset is 16-byte aligned (vector loads)
@@ -40,27 +48,81 @@ ALIGN_BYTES = 16  # every packed tensor and page offset is 16-byte aligned (vect
 CPU_DENSE_DTYPE = torch.float32
 
 
+@dataclass
+class ExpertMasters:
+    """The host master copy of every routed expert, per matrix (w1, w3, w2) and MoE layer:
+    dense ``[E, N, K]`` tensors in ``precision`` (bf16 or fp16), or for ``fp8-b128`` each expert's
+    packed blob ``uint8 [E, matrix_bytes]`` (``pwgpu.kernels.layout``)."""
+
+    precision: str
+    mats: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+    ffn_size: int = 0  # F and H: read from the dense tensors unless packed
+    hidden_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.packed:
+            _, self.ffn_size, self.hidden_size = self.mats[0][0].shape
+
+    @property
+    def packed(self) -> bool:
+        return self.precision == "fp8-b128"
+
+    @property
+    def ladder(self) -> tuple[str, ...]:
+        """The precisions these experts may take, most precise (the master's own) first."""
+        return FP8_BLOCK_LADDER if self.packed else (self.precision, *DEFAULT_LADDER[1:])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.mats[0])
+
+    @property
+    def num_experts(self) -> int:
+        return self.mats[0][0].shape[0]
+
+    def shape(self, j: int) -> tuple[int, int]:
+        return (self.ffn_size, self.hidden_size) if j < 2 else (self.hidden_size, self.ffn_size)
+
+    def dense(self, j: int, layer: int, e: int, device: torch.device) -> torch.Tensor:
+        """Matrix j of expert e on ``device``, dense (an FP8 master dequantised there, in fp32:
+        the exact products of its codes and scales, for the quantiser to start from)."""
+        w = self.mats[j][layer][e].to(device, non_blocking=True)
+        if device.type == "cuda":
+            # Keep the staging copy alive until the stream that uses it (maybe the side stream
+            # of an upgrade) is done with it.
+            w.record_stream(torch.cuda.current_stream(device))
+        if self.packed:
+            w = dequantize_ref(w, self.precision, *self.shape(j), torch.float32)
+        return w
+
+
 class WeightStore:
     def __init__(
         self,
-        masters: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+        masters: ExpertMasters,
         page_bytes: int,
         device: torch.device,
         moe_kernel: str | None = None,
+        activation: str = "silu",
     ):
-        """``masters``: w1, w3 [E, F, H] and w2 [E, H, F] per MoE layer, host, full precision.
+        """``masters``: the host master copy of every routed expert; ``activation``: of their
+        gated FFN (``MoeArch.hidden_act``).
         ``moe_kernel``: "triton" (fused MoE GEMM through the page table) or "reference"
         (dequantise, then dense PyTorch); default: triton on CUDA, reference elsewhere."""
         if moe_kernel not in (None, "triton", "reference"):
             raise ConfigError(f"moe_kernel {moe_kernel!r} unknown; allowed: triton, reference")
         self.moe_kernel = moe_kernel or ("triton" if device.type == "cuda" else "reference")
+        self.activation = activation
         if page_bytes & (page_bytes - 1) or page_bytes < ALIGN_BYTES:
             raise ConfigError(f"page_bytes(={page_bytes}) must be a power of two >= {ALIGN_BYTES}")
-        pin = device.type == "cuda"
-        self.masters = tuple([w.pin_memory() if pin else w for w in ws] for ws in masters)
+        if device.type == "cuda":  # pinned, one layer at a time (no second copy of them all)
+            for ws in masters.mats:
+                for i, w in enumerate(ws):
+                    ws[i] = w.pin_memory()
+        self.masters = masters
         self.page_bytes, self.device = page_bytes, device
-        self.num_layers = len(masters[0])
-        self.num_experts, self.ffn_size, self.hidden_size = masters[0][0].shape
+        self.num_layers, self.num_experts = masters.num_layers, masters.num_experts
+        self.ffn_size, self.hidden_size = masters.ffn_size, masters.hidden_size
         self.core = None
         self.arena: torch.Tensor | None = None
         self.layers: list[PagedExperts] = []
@@ -120,12 +182,6 @@ class WeightStore:
         return PinnedWeights(swap(pinned.embed), swap(pinned.final_norm), swap(pinned.lm_head), pinned.layers)
 
     # ---- the page table the kernels read --------------------------------------------------
-    def _matrix_pages(self, precision: str, pages: np.ndarray) -> list[np.ndarray]:
-        """Split an expert's pages into w1, w3, w2 (matrix order of the page table)."""
-        f, h = self.ffn_size, self.hidden_size
-        counts = [-(-PRECISIONS[precision].matrix_bytes(n, k) // self.page_bytes) for n, k in ((f, h), (f, h), (h, f))]
-        return np.split(pages, np.cumsum(counts)[:-1])
-
     def refresh(self) -> None:
         """Rebuild the tables of layers whose experts flipped since the last forward pass."""
         pt = self.core.page_table
@@ -133,10 +189,11 @@ class WeightStore:
         while len(self.layers) < self.num_layers:
             self.layers.append(None)
         for layer in sorted(self._dirty):
-            precisions = tuple(PRECISION_NAMES[int(i)] for i in pt.precision_ids[layer * e_num : (layer + 1) * e_num])
+            ids = pt.precision_ids[layer * e_num : (layer + 1) * e_num].tolist()
+            precisions = tuple(PRECISION_NAMES[i] for i in ids)
             offsets, first = [], np.zeros((e_num, 3), dtype=np.int32)
             for e in range(e_num):
-                for j, pages in enumerate(self._matrix_pages(precisions[e], pt.pages[layer * e_num + e])):
+                for j, pages in enumerate(pt.matrix_pages(ids[e], pt.pages[layer * e_num + e])):
                     first[e, j] = len(offsets)
                     offsets.extend((pages * self.page_bytes).tolist())
             self.layers[layer] = PagedExperts(
@@ -155,7 +212,7 @@ class WeightStore:
         if self.moe_kernel == "triton":
             from pwgpu.kernels.moe_gemm import fused_moe
 
-            return fused_moe(x, topk_ids, topk_w, experts)
+            return fused_moe(x, topk_ids, topk_w, experts, activation=self.activation)
         from pwgpu.kernels.reference import moe_ffn_dense_ref
 
         # CPU path: dequantise each used expert from its pages once and keep the dense copy
@@ -173,22 +230,22 @@ class WeightStore:
                 hit = self._dense[idx] = (pt.pages[idx], ws)
             for j in range(3):
                 mats[j][e] = hit[1][j]
-        return moe_ffn_dense_ref(x, topk_ids, topk_w, *mats)
+        return moe_ffn_dense_ref(x, topk_ids, topk_w, *mats, self.activation)
 
     # ---- writing experts ------------------------------------------------------------------
     def _write_expert(self, idx: int, precision_id: int, pages: np.ndarray) -> None:
         layer, e = divmod(idx, self.num_experts)
         precision = PRECISION_NAMES[precision_id]
         quantizer = "triton" if self.moe_kernel == "triton" else "reference"
-        for j, mpages in enumerate(self._matrix_pages(precision, pages)):
-            w = self.masters[j][layer][e].to(self.device, non_blocking=True)
-            if self.device.type == "cuda":
-                # Keep the staging copy alive until the stream that uses it (maybe the side
-                # stream of an upgrade) is done with it.
-                w.record_stream(torch.cuda.current_stream(self.device))
+        for j, mpages in enumerate(self.core.page_table.matrix_pages(precision_id, pages)):
+            offsets = mpages * self.page_bytes
+            if precision == self.masters.precision and self.masters.packed:
+                self._copy_blob(self.masters.mats[j][layer][e], offsets)  # the checkpoint's bytes
+                continue
+            w = self.masters.dense(j, layer, e, self.device)
             target = PagedExperts(
                 pool=self.arena,
-                page_offsets=torch.tensor(mpages * self.page_bytes, dtype=torch.int64, device=self.device),
+                page_offsets=torch.tensor(offsets, dtype=torch.int64, device=self.device),
                 first_page=torch.zeros(1, 3, dtype=torch.int32, device=self.device),
                 precisions=(precision,),
                 hidden_size=self.hidden_size,
@@ -197,6 +254,15 @@ class WeightStore:
             )
             target.write_matrix(w, precision, 0, quantizer)
         self._dirty.add(layer)
+
+    def _copy_blob(self, blob: torch.Tensor, offsets: np.ndarray) -> None:
+        """A packed host blob into the pages at ``offsets`` (each page's share, in order)."""
+        src = blob.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            src.record_stream(torch.cuda.current_stream(self.device))
+        for i, off in enumerate(offsets.tolist()):
+            chunk = src[i * self.page_bytes : (i + 1) * self.page_bytes]
+            self.arena[off : off + chunk.numel()].copy_(chunk)
 
     # ---- TransitionBackend ----------------------------------------------------------------
     def downgrade(self, t: Transition) -> None:

@@ -9,7 +9,8 @@ operators run one after another (the time of a step is their sum plus fixed over
   hot expert can be compute-bound while cold ones are still bandwidth-bound. Only active
   experts (tokens > 0) count. One kernel launch per precision class present in a layer, since a
   fused MoE kernel holds one weight dtype.
-- **Compute peak by precision**: FP8 weights run FP8 MMAs (activations quantised per token) when
+- **Compute peak by precision**: FP8 weights (per row or in 128 x 128 blocks) run FP8 MMAs
+  (activations quantised per token) when
   the GPU has them; every other format dequantises into bf16 tiles, so it runs at the bf16 peak
   (weight-only quantisation saves bytes, not flops).
 - **Attention**: prefill flops ``2 * q * kv_eff * heads * (d_qk + d_v)`` with
@@ -94,7 +95,8 @@ class AnalyticLatencyModel:
             self.prefill_head_dims = self.decode_head_dims = 2 * m.head_dim
 
     def _peak_flops_per_s(self, precision: str) -> float:
-        if precision == "fp8" and self.gpu.peak_fp8_flops > 0:
+        p = PRECISIONS[precision]
+        if p.kind == "float" and p.weight_bits == 8 and self.gpu.peak_fp8_flops > 0:  # fp8, fp8-b128
             return self.gpu.peak_fp8_flops * self.cfg.flops_efficiency
         return self.bf16_flops_per_s
 

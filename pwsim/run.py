@@ -14,18 +14,23 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-import yaml
-
-from pagedweight.config.scenario import LoadedScenario, importance_table
-from pagedweight.core.runtime import core_config
-from pagedweight.policy.importance import ImportanceTable
+from pagedweight.config.latency import RoutingConfig
+from pagedweight.config.run import ScenarioRun, scenario_run
+from pagedweight.config.scenario import LoadedScenario
 from pagedweight.policy.policies import PolicyInfeasible
-from pagedweight.results.metrics import Slo
-from pagedweight.results.writer import ResultsWriter, policy_summary, write_policy_tables
-from pagedweight.workload.build import build_workload
-from pagedweight.workload.traces import RequestTrace
+from pagedweight.results.writer import ResultsWriter, policy_summary, run_meta, trace_meta, write_policy_tables
 from pwsim.executor import Display, Job, auto_display, run_jobs
+from pwsim.latency import LatencyModel
+
+
+def scenario_engine(run: ScenarioRun, policy: str, latency: LatencyModel, routing: RoutingConfig):
+    """The simulated engine of one policy of a scenario."""
+    from pwsim.engine import SimEngine
+
+    return SimEngine(
+        run.core, policy, run.trace, run.table, latency, routing.resolved_kind(True), seed=run.seed,
+        routing_alpha=routing.zipf_alpha,
+    )  # fmt: skip
 
 
 def run_scenario(
@@ -42,32 +47,30 @@ def run_scenario(
     ``jobs``: worker processes (1: in this process). ``progress``: True for the automatic
     display (bars on a terminal, a line per policy otherwise), or a ``Display``.
     ``on_progress(fraction)``: the run's progress over all policies, for a caller's own display."""
-    sc, model = loaded.scenario, loaded.model
-    trace = build_workload(sc.workload, loaded.base_dir, loaded.max_model_len, np.random.default_rng(sc.seed))
-    table = importance_table(loaded)
+    model = loaded.model
+    run = scenario_run(loaded, policies)
+    trace, table = run.trace, run.table
     # In this process the policies share one latency model, as they always did (a table model
     # warns once per op); workers build their own and send back their out-of-grid counts.
     latency = _latency(loaded)
     shared = latency if jobs <= 1 else None
-    names = list(policies or sc.policies)
-    writer = ResultsWriter(
-        Path(out_dir),
-        {
-            "runtime": "pwsim",
-            "scenario": sc.name,
-            "model": model.name,
-            "gpu": loaded.gpu.name,
-            "budget_bytes": loaded.budget_bytes,
-            "page_bytes": sc.memory.page_bytes,
-            "latency_model": latency.describe(),
-            "importance": table.provenance,
-            "trace": {"source": trace.source, "num_requests": len(trace), "notes": list(trace.notes)},
-            "seed": sc.seed,
-        },
+    meta = run_meta(
+        runtime="pwsim",
+        scenario=run.name,
+        model=model.name,
+        gpu=loaded.gpu.name,
+        budget_bytes=run.core.budget_bytes,
+        page_bytes=run.core.page_bytes,
+        latency_model=latency.describe(),
+        importance=table.provenance,
+        trace=trace_meta(trace),
+        seed=run.seed,
     )
+    writer = ResultsWriter(Path(out_dir), meta)
+    names = list(run.policies)
     try:
         job_list = [
-            Job(name, simulate_policy, (loaded, name, trace, table, str(writer.parts_root / str(i)), shared))
+            Job(name, simulate_policy, (loaded, run, name, str(writer.parts_root / str(i)), shared))
             for i, name in enumerate(names)
         ]
         display = progress if isinstance(progress, Display) else auto_display(progress)
@@ -85,7 +88,7 @@ def run_scenario(
             out_of_grid = Counter(getattr(latency, "out_of_grid", None) or {})
         if out_of_grid:  # points the latency table did not cover: timed by the analytic fallback
             writer.meta["out_of_grid"] = dict(out_of_grid)
-        meta = writer.write(yaml.safe_dump(sc.model_dump(mode="json"), sort_keys=False))
+        meta = writer.write(run.resolved_yaml)
     finally:
         writer.discard_parts()
     if report:
@@ -103,9 +106,8 @@ def _latency(loaded: LoadedScenario):
 
 def simulate_policy(
     loaded: LoadedScenario,
+    run: ScenarioRun,
     policy: str,
-    trace: RequestTrace,
-    table: ImportanceTable,
     parts_dir: str,
     latency=None,
     progress: Callable[[float], None] | None = None,
@@ -113,35 +115,23 @@ def simulate_policy(
     """One policy of a run (in this process or a worker): its tables go to ``parts_dir``;
     returns its summary (or ``error`` if the policy cannot run) and, when it built its own
     latency model, that model's out-of-grid counts."""
-    from pwsim.engine import SimEngine
-
-    sc = loaded.scenario
     own_latency = latency is None
     if own_latency:
         latency = _latency(loaded)
     wall0 = time.perf_counter()
     out: dict = {"policy": policy, "out_of_grid": {}}
     try:
-        eng = SimEngine(
-            core_config(loaded),
-            policy,
-            trace,
-            table,
-            latency,
-            sc.routing.resolved_kind(True),
-            seed=sc.seed,
-            routing_alpha=sc.routing.zipf_alpha,
-        )
+        eng = scenario_engine(run, policy, latency, loaded.scenario.routing)
     except PolicyInfeasible as e:
         out["error"] = str(e)
         return out
+    trace = run.trace
     horizon_s = float(trace.arrival_s[-1]) if len(trace) else 0.0
     if progress is not None:
         eng.run(progress=lambda now_s: progress(min(now_s / horizon_s, 1.0) if horizon_s > 0 else 1.0))
     else:
         eng.run()
-    slo = Slo(sc.slo.ttft_ms, sc.slo.tpot_ms, sc.slo.e2el_ms)
-    out["summary"] = policy_summary(eng.requests, eng.core, slo, time.perf_counter() - wall0, eng.bytes_h2d)
+    out["summary"] = policy_summary(eng.requests, eng.core, run.slo, time.perf_counter() - wall0, eng.bytes_h2d)
     write_policy_tables(Path(parts_dir), policy, eng.requests, eng.core)
     out["parts_dir"] = parts_dir
     if own_latency:

@@ -1,17 +1,18 @@
 """The command lines: help works, errors are one clear line with exit code 2, and a command
 whose optional dependency is missing says so instead of breaking the others."""
 
-import subprocess
 import sys
 
 import pytest
 
 from pagedweight.cli_util import build_main
 
+import proc
+
 
 @pytest.mark.parametrize("prog", ["pwsim", "pwgpu"])
 def test_help(prog):
-    out = subprocess.run([sys.executable, "-m", f"{prog}.cli", "--help"], capture_output=True, text=True)
+    out = proc.run([sys.executable, "-m", f"{prog}.cli", "--help"], quiet_s=3)
     assert out.returncode == 0 and "usage:" in out.stdout
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import numpy as np
@@ -11,6 +10,8 @@ import pytest
 from pagedweight.policy.allocate import allocate
 from pagedweight.policy.importance import read_table
 from pwsim.cli import main
+
+import proc
 
 
 @pytest.fixture
@@ -78,13 +79,13 @@ def test_importance_check_summarises(table_path, capsys):
 
 def test_synthetic_model_through_a_subprocess(tmp_path):
     out = tmp_path / "plan.csv"
-    proc = subprocess.run(
+    done = proc.run(
         [sys.executable, "-m", "pwsim.cli", "allocate", "--synthetic-model", "mixtral-8x7b", "--budget-fraction",
          "0.3", "--method", "marginal", "--out", str(out)],
-        capture_output=True, text=True, timeout=60,
+        quiet_s=3,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("importance table: mixtral-8x7b, SYNTHETIC")
-    assert "method marginal: 256 experts (32 layers x 8)" in proc.stdout
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("importance table: mixtral-8x7b, SYNTHETIC")
+    assert "method marginal: 256 experts (32 layers x 8)" in done.stdout
     assert out.read_text().startswith("# importance table: mixtral-8x7b, SYNTHETIC")
     assert len(read_plan(out)) == 256

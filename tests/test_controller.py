@@ -9,8 +9,8 @@ import pytest
 from pagedweight.core.pool import OWNER_KV, OWNER_PINNED, OWNER_TRANSITION
 from pagedweight.core.runtime import CoreConfig, RuntimeCore
 from pagedweight.core.scheduler import Request, SchedulerConfig
-from pagedweight.core.spec import PRECISION_ID, load_model
-from pagedweight.policy.controller import ControllerSettings
+from pagedweight.core.spec import FP8_BLOCK_LADDER, PRECISION_ID, load_model
+from pagedweight.policy.controller import DOWNGRADE, UPGRADE, ControllerSettings
 from pagedweight.policy.importance import synthetic_table
 
 MODEL = load_model("tiny-moe")
@@ -43,6 +43,9 @@ class DelayedCopies:
     def abort_upgrade(self, t):
         self.events.append(("abort", t.expert))
 
+    def poll(self):
+        pass  # ``drive`` lands copies itself, by step number
+
     def land(self, core):
         due = [t for s, t in self.pending if s <= self.step]
         self.pending = [(s, t) for s, t in self.pending if s > self.step]
@@ -50,8 +53,8 @@ class DelayedCopies:
             core.complete_upgrade(t)
 
 
-def make_core(policy="pagedweight", budget_mib=40, **settings):
-    table = synthetic_table(MODEL, ("bf16", "int8", "int4"), seed=1)
+def make_core(policy="pagedweight", budget_mib=40, ladder=("bf16", "int8", "int4"), **settings):
+    table = synthetic_table(MODEL, ladder, seed=1)
     cfg = CoreConfig(
         model=MODEL,
         budget_bytes=budget_mib * 2**20,
@@ -108,6 +111,20 @@ def test_pressure_downgrades_then_load_drop_restores():
     assert not core.scheduler.has_work()
 
 
+def test_an_fp8_block_ladder_goes_to_int4_and_back():
+    """An FP8 checkpoint's experts: the top is fp8-b128 (what the host master holds), pressure
+    takes them to INT4, falling load restores fp8-b128; static-fp16 means the FP8 checkpoint."""
+    core, clock, backend = make_core(budget_mib=24, ladder=FP8_BLOCK_LADDER, min_dwell_s=0.5)
+    top = PRECISION_ID["fp8-b128"]
+    assert (core.page_table.precision_ids == top).all()
+    log = drive(core, clock, backend, [16] + [0] * 400)
+    seen = set(np.concatenate([ids for _, ids, _ in log]).tolist())
+    assert seen == {top, PRECISION_ID["int4"]}, "pressure must move some experts from fp8-b128 to int4 only"
+    assert (log[-1][1] == top).all(), "precision must come back to fp8-b128 when load drops"
+    static, _, _ = make_core("static-fp16", budget_mib=24, ladder=FP8_BLOCK_LADDER)
+    assert (static.page_table.precision_ids == top).all() and np.isfinite(static.quality_proxy)
+
+
 def test_downgrades_come_before_any_preemption():
     core, clock, backend = make_core(budget_mib=18)
     floor = core.setup.floor_ids
@@ -124,9 +141,9 @@ def test_flips_per_expert_are_bounded_by_the_dwell_time(dwell_s):
     core, clock, backend = make_core(min_dwell_s=dwell_s)
     drive(core, clock, backend, sawtooth())
     times = {}
-    for t_s, expert, _, _, _, kind, _ in core.transitions:
-        if kind in ("upgrade", "downgrade"):
-            times.setdefault(expert, []).append(t_s)
+    for t in core.transitions:
+        if t.kind in (UPGRADE, DOWNGRADE):
+            times.setdefault(t.expert, []).append(t.time_s)
     assert times, "the sawtooth must cause precision changes"
     window_s = 5.0
     # Upgrades wait min_dwell_s after any change; downgrades may follow an upgrade at once, so
@@ -141,8 +158,8 @@ def test_flips_per_expert_are_bounded_by_the_dwell_time(dwell_s):
 def test_paper_greedy_follows_kv_both_ways():
     core, clock, backend = make_core("paper-greedy")
     drive(core, clock, backend, sawtooth(num_cycles=2))
-    kinds = {r[5] for r in core.transitions}
-    assert {"downgrade", "upgrade"} <= kinds
+    kinds = {t.kind for t in core.transitions}
+    assert {DOWNGRADE, UPGRADE} <= kinds
 
 
 @pytest.mark.parametrize("policy", ["static-fp16", "static-int4", "static-mixed", "kv-swap"])

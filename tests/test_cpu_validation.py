@@ -10,12 +10,14 @@ pressure (the controller downgrades experts in both)."""
 import importlib.util
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import proc
+
+pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -24,7 +26,7 @@ def test_cpu_validation_scenario(tmp_path):
     out = tmp_path / "val"
     cmd = [sys.executable, "-m", "pwsim.cli", "validate", str(ROOT / "scenarios" / "cpu_validate.yaml"),
            "--out-dir", str(out), "--no-bounds", "--calibrate", "static-fp16", "--profile"]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    run = proc.run(cmd, quiet_s=90)
     assert run.returncode == 0, run.stderr[-3000:]
     v = json.loads((out / "sim-calibrated" / "validation.json").read_text())
     assert v["real"]["runtime"] == "pwgpu" and v["sim"]["runtime"] == "pwsim"
@@ -80,7 +82,7 @@ def test_engine_gets_the_simulators_synthetic_table(tmp_path):
     scenario = tmp_path / "synthetic.yaml"
     scenario.write_text(yaml.safe_dump(src))
     cmd = [sys.executable, "-m", "pwgpu.cli", "run", "--scenario", str(scenario), "--out", str(tmp_path / "real")]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    run = proc.run(cmd, quiet_s=30)
     assert run.returncode == 0, run.stderr[-3000:]
     run_scenario(load_scenario(scenario), tmp_path / "sim", report=False)
     real, sim = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("real", "sim"))

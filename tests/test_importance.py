@@ -146,6 +146,22 @@ def test_synthetic_table_shape_bytes_and_marking():
     assert QUANT_NOISE["int3"] / QUANT_NOISE["int4"] == 4.0
 
 
+def test_synthetic_losses_of_an_fp8_checkpoint_are_against_its_fp8_experts():
+    model = load_model("deepseek-v3")
+    t = synthetic_table(model, ("int4", "fp8-b128"), seed=0)
+    assert t.ladder == ("fp8-b128", "int4")
+    assert (t.dloss[:, 0] == 0).all() and (t.dloss[:, 1] > 0).all()  # the FP8 checkpoint is the reference
+    assert (t.bytes[:, 0] == model.expert_bytes("fp8-b128")).all()
+
+
+def test_an_fp8_block_ladder_round_trips_through_a_file(tmp_path):
+    t = synthetic_table(load_model("tiny-moe"), ("fp8-b128", "int4"), seed=2)
+    write_table(t, tmp_path / "fp8.csv")
+    back = read_table(tmp_path / "fp8.csv")
+    assert back.ladder == ("fp8-b128", "int4") and np.array_equal(back.dloss, t.dloss)
+    assert "dloss_fp8-b128" in (tmp_path / "fp8.csv").read_text()
+
+
 def test_zipf_exponent_controls_routing_skew():
     model = load_model("deepseek-v3")
 

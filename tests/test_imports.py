@@ -1,10 +1,11 @@
 """The core stays pure: importing any of its modules must load neither torch, nor simpy, nor triton."""
 
 import pkgutil
-import subprocess
 import sys
 
 import pagedweight
+
+import proc
 
 CHECK = "import sys, {mods}; print([m for m in ('torch', 'simpy', 'triton') if m in sys.modules])"
 
@@ -22,14 +23,10 @@ def test_every_core_module_is_covered():
 
 def test_core_imports_no_runtime():
     mods = ", ".join(core_modules())
-    out = subprocess.run(
-        [sys.executable, "-c", CHECK.format(mods=mods)], capture_output=True, text=True, check=True, timeout=600
-    )
+    out = proc.run([sys.executable, "-c", CHECK.format(mods=mods)], quiet_s=3, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_plain_import_as_in_the_readme():
-    out = subprocess.run(
-        [sys.executable, "-c", CHECK.format(mods="pagedweight")], capture_output=True, text=True, timeout=600
-    )
+    out = proc.run([sys.executable, "-c", CHECK.format(mods="pagedweight")], quiet_s=3)
     assert out.returncode == 0 and out.stdout.strip() == "[]"

@@ -2,7 +2,6 @@
 it writes must load with read_kernel_table and hold full rectilinear grids per op, which is
 what pwsim's table latency model needs."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,8 @@ import pytest
 
 from pagedweight.config.kernel_table import COLUMNS, read_kernel_table
 from pagedweight.core.spec import load_model
+
+import proc
 
 pytest.importorskip("torch")
 
@@ -31,12 +32,13 @@ def table(tmp_path_factory):
     out = tmp_path_factory.mktemp("kernels") / "cpu.csv"
     cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--model", "tiny-moe", "--out", str(out), "--grid", "small",
            "--device", "cpu", "--precisions", ",".join(PRECISIONS)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = proc.run(cmd, quiet_s=15)
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout
     return read_kernel_table(out)
 
 
+@pytest.mark.e2e
 def test_table_has_schema_meta_and_every_op(table):
     df, meta = table
     assert list(df.columns) == list(COLUMNS)
@@ -46,6 +48,7 @@ def test_table_has_schema_meta_and_every_op(table):
     assert (df["latency_us_p20"] <= df["latency_us_p50"]).all() and (df["latency_us_p50"] <= df["latency_us_p80"]).all()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("op,x,y", GRID_KEYS)
 def test_each_op_is_a_full_grid(table, op, x, y):
     df, _ = table
@@ -56,6 +59,7 @@ def test_each_op_is_a_full_grid(table, op, x, y):
         assert len(part) == xs * ys, f"{op}: {len(part)} rows for a {xs} x {ys} grid"
 
 
+@pytest.mark.e2e
 def test_moe_rows_cover_precisions_and_expert_counts(table):
     df, _ = table
     spec = load_model("tiny-moe")
@@ -73,7 +77,7 @@ def test_moe_rows_cover_precisions_and_expert_counts(table):
 def test_unknown_op_is_a_usage_error(tmp_path):
     cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--model", "tiny-moe", "--out", str(tmp_path / "x.csv"),
            "--ops", "moe_ffn,warp_drive"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = proc.run(cmd, quiet_s=5)
     assert done.returncode == 2 and "warp_drive" in done.stderr
 
 
@@ -88,6 +92,7 @@ def test_fitted_grid_covers_the_scheduler_limits():
     assert g.dense_m[-1] == 1000
 
 
+@pytest.mark.e2e
 def test_a_table_fitted_to_a_scenario_times_all_of_it(tmp_path):
     """`pwgpu profile --scenario`: the simulator then never leaves the measured grid."""
     import yaml
@@ -106,7 +111,7 @@ def test_a_table_fitted_to_a_scenario_times_all_of_it(tmp_path):
     out = tmp_path / "cpu.csv"
     cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--scenario", str(scenario), "--out", str(out),
            "--device", "cpu"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = proc.run(cmd, quiet_s=100)
     assert done.returncode == 0, done.stderr
     df, meta = read_kernel_table(tmp_path / "cpu.csv")
     assert meta["grid"].startswith("fitted to") and meta["dtype"] == "bfloat16"
@@ -135,3 +140,23 @@ def test_time_us_flushes_caches_before_every_sample():
     calls = []
     prof.time_us(lambda: calls.append(1), dev, samples=2, warmup=1, flush_bytes=0)  # 0: no flush
     assert len(calls) == 3
+
+
+@pytest.mark.e2e
+def test_mla_attention_is_timed_on_the_engines_latent_cache(tmp_path):
+    """An MLA spec's attention rows come from the engine's own latent write and absorbed
+    attention (pwgpu/mla.py), over the same grid as GQA's."""
+    spec = tmp_path / "tiny-mla.yaml"
+    spec.write_text(
+        "name: tiny-mla\nsource: test\nnum_layers: 2\nhidden_size: 64\nnum_heads: 4\nnum_kv_heads: 4\n"
+        "head_dim: 16\nnum_experts: 8\ntop_k: 2\nexpert_ffn_size: 32\nvocab_size: 96\nmax_context_tokens: 512\n"
+        "attention: mla\nkv_lora_rank: 32\nqk_rope_head_dim: 8\nqk_nope_head_dim: 16\nv_head_dim: 16\n"
+    )
+    out = tmp_path / "mla.csv"
+    cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--model", str(spec), "--out", str(out), "--grid", "small",
+           "--device", "cpu", "--ops", "attention"]  # fmt: skip
+    done = proc.run(cmd, quiet_s=15)
+    assert done.returncode == 0, done.stderr
+    df, meta = read_kernel_table(out)
+    assert set(df["op"]) == {"attn_prefill", "attn_decode"} and (df["latency_us_p50"] > 0).all()
+    assert any("absorbed latent attention" in n for n in meta["notes"])

@@ -3,11 +3,12 @@ pwgpu importance -> pwsim allocate -> pwgpu eval, and the experiments script."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import proc
 
 pytest.importorskip("torch")
 
@@ -19,10 +20,10 @@ CALIB = [str(ROOT / "data" / "calib" / f"{d}.txt") for d in ("code", "shakespear
 EVAL = [str(ROOT / "data" / "eval" / f"{d}.txt") for d in ("code", "shakespeare")]
 
 
-def _run(*args: str) -> str:
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+def _run(*args: str, quiet_s: float) -> str:
+    done = proc.run([sys.executable, *args], cwd=ROOT, quiet_s=quiet_s)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def table_path(tmp_path_factory):
         "0:0,0:1,0:2",
     ]
     out = _run("-m", "pwgpu.cli", "importance", "--model", MODEL, "--data", *CALIB, "--out", str(d / "t.csv"),
-               *small, "--details", str(d / "details.csv"))  # fmt: skip
+               *small, "--details", str(d / "details.csv"), quiet_s=30)  # fmt: skip
     assert "wrote" in out
     return d / "t.csv"
 
@@ -51,9 +52,10 @@ def test_cli_modules_do_not_import_torch():
         "assert 'torch' not in sys.modules; import pwgpu.importance as i; "
         "assert (c.TABLE_LADDER, c.DLOSS_SOURCES) == (i.TABLE_LADDER, i.DLOSS_SOURCES)"
     )
-    _run("-c", code)
+    _run("-c", code, quiet_s=3)
 
 
+@pytest.mark.e2e
 def test_importance_writes_a_table_pwsim_reads(table_path):
     table = read_table(table_path)
     assert (table.num_layers, table.num_experts) == (4, 8)
@@ -65,28 +67,30 @@ def test_importance_writes_a_table_pwsim_reads(table_path):
     assert sum(v != "nan" for v in oracle) == 3  # only the three requested experts were measured
 
 
+@pytest.mark.e2e
 def test_allocate_then_eval(table_path, tmp_path):
     plan = tmp_path / "plan.csv"
     _run("-m", "pwsim.cli", "allocate", "--importance", str(table_path), "--budget-fraction", "0.4",
-         "--method", "marginal", "--out", str(plan))  # fmt: skip
+         "--method", "marginal", "--out", str(plan), quiet_s=3)  # fmt: skip
     small = ["--max-tokens", "128", "--window", "64"]
     out = _run("-m", "pwgpu.cli", "eval", "--model", MODEL, "--plan", str(plan), "--data", *EVAL, *small,
-               "--out", str(tmp_path / "r.csv"))  # fmt: skip
+               "--out", str(tmp_path / "r.csv"), quiet_s=10)  # fmt: skip
     rows = (tmp_path / "r.csv").read_text().splitlines()
     assert rows[0] == "plan,domain,tokens,kl_nats_per_token,ppl_full,ppl_plan" and len(rows) == 3
     assert all(float(r.split(",")[3]) > 0 for r in rows[1:]), out
     _run("-m", "pwgpu.cli", "eval", "--model", MODEL, "--uniform", "bf16", "--data", EVAL[0], *small,
-         "--out", str(tmp_path / "full.csv"))  # fmt: skip
+         "--out", str(tmp_path / "full.csv"), quiet_s=10)  # fmt: skip
     (row,) = (tmp_path / "full.csv").read_text().splitlines()[1:]
     assert float(row.split(",")[3]) == 0.0  # the full-precision plan is the reference itself
 
 
+@pytest.mark.e2e
 def test_experiments_script_quick(table_path, tmp_path):
     out = tmp_path / "rep"
     small = ["--max-eval-tokens", "128", "--fractions", "0.3,0.6", "--calib-tokens", "128"]
     _run("-m", "pwgpu.cli", "experiments", "--model", MODEL, "--table", str(table_path),
          "--details", str(table_path.parent / "details.csv"), "--eval", *EVAL, "--calib", *CALIB,
-         "--out", str(out), *small)  # fmt: skip
+         "--out", str(out), *small, quiet_s=40)  # fmt: skip
     names = ("exp1_quality_vs_memory.csv", "exp3_rank_correlation.csv", "exp4_drift.csv", "summary.json",
              "exp1_quality_vs_memory.png")  # fmt: skip
     for name in names:
@@ -103,7 +107,7 @@ def test_experiments_script_quick(table_path, tmp_path):
 def test_conflicting_flags_are_refused_before_calibration(flags, words, tmp_path):
     cmd = [sys.executable, "-m", "pwgpu.cli", "importance", "--model", str(ROOT / "models" / "tiny-moe"),
            "--data", str(ROOT / "data" / "calib" / "code.txt"), "--out", str(tmp_path / "t.csv"), *flags]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = proc.run(cmd, quiet_s=5)
     assert done.returncode == 2 and words in done.stderr and "calibrated" not in done.stdout, done.stderr
 
 

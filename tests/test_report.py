@@ -22,6 +22,8 @@ from pagedweight.results.report import write_report
 from pagedweight.results.report_data import load_run, precision_timeline, signed_error_perc, sim_real_pairs
 from pwsim.cli import main
 
+import proc
+
 # tiny-moe under KV pressure: 1500-token prompts at 40 req/s in 34 MiB make pagedweight
 # downgrade and later upgrade experts, so every section of the report has something to draw.
 PRESSURE_YAML = """\
@@ -176,9 +178,10 @@ def _chromium(page: Path, profile: Path, *extra: str) -> subprocess.CompletedPro
         *extra,
         page.as_uri(),
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return proc.run(cmd, quiet_s=12)
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed (.ci/run installs it)")
 def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     page = run_dir / "report.html"

@@ -9,7 +9,6 @@ from pagedweight.core.pool import OWNER_PINNED, KvBlockAllocator, PagePool
 from pagedweight.core.scheduler import FINISHED, REJECTED, RUNNING, WAITING, Request, Scheduler, SchedulerConfig
 
 PAGE = 1024
-STEPS: list[int] = []
 
 
 def make(num_pages, block_tokens=4, blocks_per_page=2, hook=None, **cfg):
@@ -116,21 +115,10 @@ def test_pressure_hook_is_asked_before_any_preemption():
     assert asked and s.num_preemptions == 0
 
 
-@settings(max_examples=25, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    num_pages=st.integers(4, 64),
-    blocks_per_page=st.integers(1, 4),
-    block_tokens=st.sampled_from([1, 4, 16]),
-    max_batched=st.integers(1, 256),
-    max_seqs=st.integers(1, 32),
-    num_requests=st.integers(1, 80),
-    with_hook=st.booleans(),
-    mode=st.sampled_from(["recompute", "swap"]),
-)
-def test_random_workloads_lose_nothing(
+def run_random_workload(
     seed, num_pages, blocks_per_page, block_tokens, max_batched, max_seqs, num_requests, with_hook, mode
-):
+) -> int:
+    """One random workload to the end, checking every invariant at every step; returns the steps."""
     rng = np.random.default_rng(seed)
     pool, kv, s = make(
         num_pages,
@@ -182,18 +170,34 @@ def test_random_workloads_lose_nothing(
         assert r.arrival_s <= r.first_scheduled_s <= r.first_token_s <= r.finish_s
         assert list(r.token_times_s) == sorted(r.token_times_s)
     assert kv.num_used_blocks == 0 and pool.num_owned(1) == 0  # no KV leaked
-    STEPS.append(steps)
+    return steps
+
+
+def test_random_workloads_lose_nothing():
+    """Random workloads keep every invariant; and together the examples must have driven the
+    scheduler through thousands of steps, so that the property cannot shrink into trivia."""
+    steps: list[int] = []
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        seed=st.integers(0, 2**32 - 1),
+        num_pages=st.integers(4, 64),
+        blocks_per_page=st.integers(1, 4),
+        block_tokens=st.sampled_from([1, 4, 16]),
+        max_batched=st.integers(1, 256),
+        max_seqs=st.integers(1, 32),
+        num_requests=st.integers(1, 80),
+        with_hook=st.booleans(),
+        mode=st.sampled_from(["recompute", "swap"]),
+    )
+    def workload(**kw):
+        steps.append(run_random_workload(**kw))
+
+    workload()
+    assert sum(steps) >= 2000, steps
 
 
 @pytest.mark.parametrize("field", ["max_num_batched_tokens", "max_num_seqs", "max_model_len"])
 def test_config_rejects_non_positive_limits(field):
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: 0})
-
-
-def test_property_run_covered_thousands_of_steps():
-    """Guards the property test above against shrinking into trivia: together its examples
-    must have driven the scheduler through thousands of steps (pytest runs files in order)."""
-    if not STEPS:
-        pytest.skip("run together with test_random_workloads_lose_nothing")
-    assert sum(STEPS) >= 2000, STEPS

@@ -1,6 +1,6 @@
-"""The SimPy runtime: determinism, same-time event ordering, a hand-checked run, a golden run."""
+"""The SimPy runtime: determinism, same-time event ordering, a hand-checked run, a golden run
+(tests/golden.py says how the golden file is written; no test writes it)."""
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -10,34 +10,11 @@ import simpy
 import yaml
 
 from pagedweight.config.scenario import load_scenario
+from pagedweight.policy.controller import DOWNGRADE, UPGRADE
 from pwsim.engine import UrgentTimeout
 from pwsim.run import run_scenario
 
-FIXTURES = Path(__file__).parent / "fixtures"
-GOLDEN = FIXTURES / "golden" / "good_summary.json"
-# The tiny model in a budget that forces KV pressure: every policy has something to do.
-PRESSURE = (
-    "memory.budget=40 MiB",
-    "memory.page_bytes=16 KiB",
-    "memory.kv_block_tokens=8",
-    "workload.num_requests=150",
-    "workload.arrival.rate_qps=400",
-    "workload.lengths.prompt_tokens=600",
-)
-GOLDEN_KEYS = (
-    "completed",
-    "total_output_tokens",
-    "num_preemptions",
-    "num_steps",
-    "request_throughput",
-    "output_throughput",
-    "mean_ttft_ms",
-    "p99_ttft_ms",
-    "mean_tpot_ms",
-    "mean_quality_proxy",
-    "num_downgrades",
-    "num_upgrades",
-)
+from golden import FIXTURES, PRESSURE, golden_scenario, golden_view, read_golden
 
 
 def scenario(tmp_path, **overrides):
@@ -77,8 +54,8 @@ def test_a_request_arriving_as_a_step_ends_joins_the_next_step(tmp_path):
         workload={"kind": "synthetic", "arrival": {"kind": "poisson", "rate_qps": 1.0},
                   "lengths": {"kind": "fixed", "prompt_tokens": 10, "output_tokens": 3}, "num_requests": 2},
     )  # fmt: skip
+    from pagedweight.config.run import core_config
     from pagedweight.config.scenario import importance_table
-    from pagedweight.core.runtime import core_config
     from pagedweight.workload.traces import RequestTrace
     from pwsim.engine import SimEngine
     from pwsim.latency import build_latency_model
@@ -111,27 +88,13 @@ def test_constant_latency_throughput_by_hand(tmp_path):
     assert s["mean_ttft_ms"] == pytest.approx(10.0, abs=1e-3) and s["mean_tpot_ms"] == pytest.approx(10.0, abs=1e-3)
 
 
-def _golden_view(summary):
-    return {p: {k: round(v[k], 6) if isinstance(v[k], float) else v[k] for k in GOLDEN_KEYS}
-            for p, v in summary["policies"].items()}  # fmt: skip
-
-
 def test_same_seed_same_results_and_golden_summary(tmp_path):
-    overrides = [
-        *PRESSURE,
-        "workload.lengths.output_tokens=60",
-        "policies=[static-fp16, static-int4, paper-greedy, pagedweight]",
-    ]
-    loaded = load_scenario(FIXTURES / "scenarios" / "good.yaml", overrides)  # fmt: skip
+    loaded = golden_scenario()
     first = run_scenario(loaded, tmp_path / "a", report=False)
     second = run_scenario(loaded, tmp_path / "b", report=False)
-    assert _golden_view(first) == _golden_view(second)
+    assert golden_view(first) == golden_view(second)
     assert (tmp_path / "a" / "steps.csv").read_text() == (tmp_path / "b" / "steps.csv").read_text()
-    if not GOLDEN.exists():  # a new schema: write the file for review, and fail until it is committed
-        GOLDEN.parent.mkdir(exist_ok=True)
-        GOLDEN.write_text(json.dumps(_golden_view(first), indent=2, sort_keys=True) + "\n")
-        pytest.fail(f"{GOLDEN} was missing; written now: review it, commit it and run again")
-    assert _golden_view(first) == json.loads(GOLDEN.read_text())
+    assert golden_view(first) == read_golden()
 
 
 def test_kv_swap_moves_kv_over_pcie_and_records_it(tmp_path):
@@ -148,8 +111,8 @@ def test_kv_swap_moves_kv_over_pcie_and_records_it(tmp_path):
 def test_quality_proxy_kept_incrementally_equals_a_full_recount():
     """The quality proxy is updated per flipped expert; after a run full of downgrades and
     upgrades it still equals the sum over every expert's current precision."""
+    from pagedweight.config.run import core_config
     from pagedweight.config.scenario import importance_table
-    from pagedweight.core.runtime import core_config
     from pagedweight.workload.build import build_workload
     from pwsim.engine import SimEngine
     from pwsim.latency import build_latency_model
@@ -161,6 +124,24 @@ def test_quality_proxy_kept_incrementally_equals_a_full_recount():
     lat = build_latency_model(sc.latency, loaded.model, loaded.gpu)
     eng = SimEngine(core_config(loaded), "pagedweight", trace, importance_table(loaded), lat, "uniform", seed=0)
     eng.run()
-    kinds = {t[5] for t in eng.core.transitions}
-    assert {"downgrade", "upgrade"} <= kinds, kinds
-    assert eng.core.quality_proxy == pytest.approx(eng.core._compute_quality(), rel=1e-9, abs=1e-12)
+    kinds = {t.kind for t in eng.core.transitions}
+    assert {DOWNGRADE, UPGRADE} <= kinds, kinds
+    assert eng.core.quality_proxy == pytest.approx(eng.core.quality_recount(), rel=1e-9, abs=1e-12)
+
+
+def test_deepseek_v3_fp8_scenario_walks_an_fp8_ladder(tmp_path):
+    """The shipped DeepSeek-V3 FP8 scenario (MLA KV, 256 experts) on its first 40 s: static-fp16
+    keeps every expert at the checkpoint's fp8-b128; pagedweight moves some to INT4 under KV
+    pressure and never to a format outside its ladder."""
+    root = Path(__file__).resolve().parent.parent
+    loaded = load_scenario(root / "scenarios" / "deepseek_v3_fp8.yaml", ["workload.duration_s=40"])
+    assert loaded.model.attention == "mla" and loaded.model.kv_bytes_per_token() == 12 * (512 + 64) * 2
+    run_scenario(loaded, tmp_path, policies=["static-fp16", "pagedweight"], report=False)
+    steps = pd.read_csv(tmp_path / "steps.csv")
+    fixed, dynamic = steps[steps["policy"] == "static-fp16"], steps[steps["policy"] == "pagedweight"]
+    assert (fixed["weight_pages_fp8-b128"] > 0).all() and (fixed["weight_pages_int4"] == 0).all()
+    assert dynamic["weight_pages_int4"].max() > 0
+    others = [
+        c for c in steps if c.startswith("weight_pages_") and c not in ("weight_pages_fp8-b128", "weight_pages_int4")
+    ]
+    assert (steps[others] == 0).all().all()

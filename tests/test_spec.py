@@ -68,6 +68,16 @@ def test_exact_bits_per_weight(name, bits):
     assert get_precision(name).bits_per_weight(14336, 4096) == pytest.approx(bits)
 
 
+def test_fp8_block_format_counts_one_fp32_scale_per_128x128_block():
+    p = get_precision("fp8-b128")
+    # DeepSeek-V3's expert w1 [2048, 7168]: 16 x 56 blocks; ragged edges round up.
+    assert p.matrix_bytes(2048, 7168) == 2048 * 7168 + 16 * 56 * 4
+    assert p.matrix_bytes(200, 130) == 200 * 130 + 2 * 2 * 4
+    m = load_model("deepseek-v3")
+    assert m.expert_bytes("fp8-b128") == 3 * 2048 * 7168 + 3 * 16 * 56 * 4
+    assert [q.name for q in ladder(["int4", "fp8-b128", "fp8", "bf16"])] == ["bf16", "fp8-b128", "fp8", "int4"]
+
+
 def test_ragged_groups_round_up():
     # K = 200 is two groups of 128 per row; 3 rows of 4-bit data are 300 bytes.
     assert get_precision("int4").matrix_bytes(3, 200) == 300 + 3 * 2 * 2 + 3 * 2

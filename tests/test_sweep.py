@@ -20,6 +20,8 @@ from pagedweight.results.report_sweep import pareto_front
 from pwsim.cli import main
 from pwsim.sweep import SweepError, cell_for, load_sweep, run_sweep
 
+import proc
+
 SCENARIO = """\
 name: small
 model: tiny-moe
@@ -176,29 +178,27 @@ def test_ray_executor_against_local_cluster(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     env = dict(os.environ)
     temp_dir = Path("/tmp") / f"ray_{port}"  # Ray's socket paths must stay short
-    head = subprocess.Popen(
-        [str(ray_bin if ray_bin.exists() else shutil.which("ray")), "start", "--head", "--block",
-         f"--port={port}", "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp_dir}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    cmd = [str(ray_bin if ray_bin.exists() else shutil.which("ray")), "start", "--head", "--block",
+           f"--port={port}", "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp_dir}"]  # fmt: skip
     try:
-        address = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while not _listening(port):
-            assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
-            time.sleep(0.5)
-        path = _files(tmp_path, SWEEP.replace("[34 MiB, 40 MiB]", "[34 MiB]"))
-        out = tmp_path / "out"
-        assert main(["sweep", str(path), "--out", str(out), "--executor", "ray", "--address", address]) == 0
-        assert "ran 2 cells, skipped 0" in capsys.readouterr().out
-        names = [c.name for c in load_sweep(path).cells]
-        assert all((out / n / "summary.json").is_file() for n in names)
-        (out / names[1] / "summary.json").unlink()
-        assert main(["sweep", str(path), "--out", str(out), "--executor", "ray", "--address", address]) == 0
-        assert "ran 1 cells, skipped 1" in capsys.readouterr().out
+        # The head and every Ray process it starts are in one process group, stopped at the end.
+        with proc.spawn(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as head:
+            address = f"127.0.0.1:{port}"
+            deadline = time.monotonic() + proc.hang_guard_s(15)  # a hang guard: ~15 s to come up when quiet
+            while not _listening(port):
+                assert head.poll() is None, "ray start --head exited"
+                assert time.monotonic() < deadline, "hang guard: ray start --head not listening"
+                time.sleep(0.5)
+            path = _files(tmp_path, SWEEP.replace("[34 MiB, 40 MiB]", "[34 MiB]"))
+            out = tmp_path / "out"
+            assert main(["sweep", str(path), "--out", str(out), "--executor", "ray", "--address", address]) == 0
+            assert "ran 2 cells, skipped 0" in capsys.readouterr().out
+            names = [c.name for c in load_sweep(path).cells]
+            assert all((out / n / "summary.json").is_file() for n in names)
+            (out / names[1] / "summary.json").unlink()
+            assert main(["sweep", str(path), "--out", str(out), "--executor", "ray", "--address", address]) == 0
+            assert "ran 1 cells, skipped 1" in capsys.readouterr().out
     finally:
-        head.terminate()
-        head.wait(timeout=60)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -36,8 +36,10 @@ class Precision(BaseModel):
     Metadata layout (the kernels in ``pwgpu/kernels/quant.py`` follow it):
     - ``group_size is None`` and ``scale_bits == 0``: no metadata (BF16/FP16).
     - ``group_size is None`` and ``scale_bits > 0``: one scale per output row (per-channel).
-    - ``group_size = g``: one scale (and one zero point if asymmetric) per row per ``g``
-      consecutive input columns, i.e. ``N * ceil(K / g)`` groups.
+    - ``group_size = g``: one scale (and one zero point if asymmetric) per ``group_rows`` rows
+      per ``g`` consecutive input columns, i.e. ``ceil(N / group_rows) * ceil(K / g)`` groups
+      (``group_rows = 1``: per row; 128 x 128 blocks are DeepSeek-V3's FP8 format, whose
+      edge blocks are ragged when N or K is not a multiple of 128).
     Zero points are stored as uint8: simpler kernels than packed 4-bit zeros for 0.03 bit/weight.
     """
 
@@ -46,6 +48,7 @@ class Precision(BaseModel):
     name: str
     weight_bits: int = Field(gt=0, le=16)
     group_size: int | None = None
+    group_rows: int = Field(default=1, gt=0)
     scale_bits: int = 0
     zero_bits: int = 0
     kind: Literal["float", "int"] = "int"
@@ -58,7 +61,7 @@ class Precision(BaseModel):
             return 0
         if self.group_size is None:
             return n_out
-        return n_out * math.ceil(k_in / self.group_size)
+        return math.ceil(n_out / self.group_rows) * math.ceil(k_in / self.group_size)
 
     def matrix_bytes(self, n_out: int, k_in: int) -> int:
         """Exact bytes of ``W[n_out, k_in]`` in this format: packed data + scales + zeros."""
@@ -83,6 +86,10 @@ _PRECISION_LIST = (
     Precision(name="int4", weight_bits=4, group_size=128, scale_bits=16, zero_bits=8, rank=30),
     Precision(name="int3", weight_bits=3, group_size=128, scale_bits=16, zero_bits=8, rank=20),
     Precision(name="int2", weight_bits=2, group_size=64, scale_bits=16, zero_bits=8, rank=10),
+    # Last, so that the codes of the others (and the column order of step tables) stay put.
+    # E4M3 with one fp32 scale per 128 x 128 block: FP8 checkpoints as DeepSeek-V3 ships them
+    # (``weight_scale_inv``). Finer scales than per-row FP8, hence the higher rank.
+    Precision(name="fp8-b128", weight_bits=8, group_size=128, group_rows=128, scale_bits=32, kind="float", rank=55),
 )
 PRECISIONS: dict[str, Precision] = {p.name: p for p in _PRECISION_LIST}
 # Compact codes for per-expert precision maps: ``precision_ids[layer, expert]`` (int8) indexes
@@ -91,6 +98,11 @@ PRECISION_NAMES: tuple[str, ...] = tuple(PRECISIONS)
 PRECISION_ID: dict[str, int] = {name: i for i, name in enumerate(PRECISION_NAMES)}
 # The ladder the controller walks by default: most to least precise, one format per rank.
 DEFAULT_LADDER: tuple[str, ...] = ("bf16", "fp8", "int8", "int4")
+# Formats a checkpoint ships its experts in, so the host master copy can hold them: the top of a
+# ladder. ``fp8-b128`` experts go straight to INT4 and below (INT8 would be as large as the FP8
+# block format and less precise).
+MASTER_PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp8-b128")
+FP8_BLOCK_LADDER: tuple[str, ...] = ("fp8-b128", "int4")
 
 
 def get_precision(name: str) -> Precision:

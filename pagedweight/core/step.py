@@ -41,4 +41,4 @@ class StepShape:
     @staticmethod
     def empty() -> StepShape:
         z = np.zeros(0, dtype=np.int64)
-        return StepShape(z, z, z)
+        return StepShape(z, z, z, 0)

@@ -24,6 +24,7 @@ is pinned at its target and its old pages still count.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
@@ -35,13 +36,22 @@ from pagedweight.policy.allocate import Plan, Problem, paper_greedy
 from pagedweight.policy.hull import MarginalPlanner
 from pagedweight.policy.importance import ImportanceTable, RoutingTracker
 
-DOWNGRADE, UPGRADE, ABORT = "downgrade", "upgrade", "abort"
+
+class ChangeKind(Enum):
+    """What a precision change does; ``value`` is the name written to transitions.csv."""
+
+    DOWNGRADE = "downgrade"  # fewer bits: quantised into new pages and flipped at once
+    UPGRADE = "upgrade"  # more bits: copied from the host master, flipped when it has landed
+    ABORT = "abort"  # an upgrade in flight abandoned; its new pages are released
+
+
+DOWNGRADE, UPGRADE, ABORT = ChangeKind.DOWNGRADE, ChangeKind.UPGRADE, ChangeKind.ABORT
 ROUTED_BLOCK_STEPS = 256
 
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    kind: str  # DOWNGRADE, UPGRADE or ABORT (of an upgrade in flight)
+    kind: ChangeKind
     expert: int  # flat index: moe_layer * num_experts + expert
     to_id: int  # PRECISION_ID code (for ABORT: the precision it keeps)
 
@@ -51,7 +61,7 @@ class ControllerSettings:
     horizon_steps: int = 32
     low_watermark: float = 0.02
     high_watermark: float = 0.10
-    copy_budget_bytes_per_s: float = 16e9
+    copy_budget_bytes_per_s: float = 16 * 10**9
     max_in_flight_bytes: int = 2 * 2**30
     min_dwell_s: float = 2.0
     # Steps closer together than this share one plan (pressure is still handled at once by
@@ -346,5 +356,5 @@ class Controller:
 
     def _mark(self, changes: list[Change], now_s: float) -> None:
         for c in changes:
-            if c.kind != ABORT:
+            if c.kind is not ABORT:
                 self.last_change_s[c.expert] = now_s

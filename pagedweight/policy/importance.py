@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedweight.core.spec import DEFAULT_LADDER, PRECISIONS, ModelSpec, ladder
+from pagedweight.core.spec import DEFAULT_LADDER, MASTER_PRECISIONS, PRECISIONS, ModelSpec, ladder
 from pagedweight.errors import ImportanceError
 
 FORMAT_TAG = "pagedweight-importance v1"
@@ -297,8 +297,18 @@ def write_table(table: ImportanceTable, path: str | Path) -> None:
 # Relative output-error variance of each format, normalised to INT4 g128 = 1. A uniform quantiser's
 # error variance scales as 4**-b; the effective bits b assumed here are FP16/BF16 exact, INT8
 # per-channel 7, FP8 E4M3 per-channel 6 (3 mantissa bits, but the exponent absorbs outliers),
+# FP8 E4M3 with 128 x 128 block scales 6.5 (a block's scale fits its range better than a row's),
 # INT4 g128 4, INT3 g128 3, INT2 g64 2. These are modelling assumptions, not measurements.
-QUANT_NOISE = {"bf16": 0.0, "fp16": 0.0, "fp8": 4.0**-2, "int8": 4.0**-3, "int4": 1.0, "int3": 4.0, "int2": 16.0}
+QUANT_NOISE = {
+    "bf16": 0.0,
+    "fp16": 0.0,
+    "fp8-b128": 4.0**-2.5,
+    "fp8": 4.0**-2,
+    "int8": 4.0**-3,
+    "int4": 1.0,
+    "int3": 4.0,
+    "int2": 16.0,
+}
 
 
 def _cap_at_one(freq: np.ndarray, top_k: int) -> np.ndarray:
@@ -353,7 +363,10 @@ def synthetic_table(
     mass /= mass.sum(axis=1, keepdims=True)
     importance = freq * rng.lognormal(0.0, layer_sigma, (n_layers, 1))
     outlier = rng.lognormal(0.0, outlier_sigma, (n_layers, n_exp))
-    noise = np.array([QUANT_NOISE[p] for p in names])
+    # Losses are against the model as its checkpoint stores it: for an FP8 checkpoint the FP8
+    # experts are the reference (no loss) and INT4 adds only what it loses beyond them.
+    reference = QUANT_NOISE[names[0]] if names[0] in MASTER_PRECISIONS else 0.0
+    noise = np.array([max(QUANT_NOISE[p] - reference, 0.0) for p in names])
     dloss = (importance * outlier)[..., None] * noise * rng.lognormal(0.0, noise_sigma, (n_layers, n_exp, len(names)))
     int4_loss = (importance * outlier).sum()
     dloss *= int4_total_dloss / int4_loss

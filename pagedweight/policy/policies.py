@@ -3,6 +3,7 @@
 | name           | what it does                                                                 |
 |----------------|------------------------------------------------------------------------------|
 | static-fp16    | every expert at full precision (vLLM-like); preempts when KV is full          |
+|                | (full: the checkpoint's format, bf16/fp16 or FP8 blocks)                      |
 | static-int8    | every expert at INT8, fixed                                                   |
 | static-int4    | every expert at INT4, fixed                                                   |
 | static-mixed   | one offline ``marginal`` plan at a fixed budget, never changed (MC-MoE-like)  |
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedweight.core.spec import PRECISION_ID
+from pagedweight.core.spec import MASTER_PRECISIONS, PRECISION_ID
 from pagedweight.errors import PagedWeightError
 from pagedweight.policy.allocate import Problem
 from pagedweight.policy.hull import MarginalPlanner
@@ -67,7 +68,9 @@ def setup_policy(
         raise PagedWeightError(f"unknown policy {name!r}; allowed: {', '.join(POLICY_NAMES)}")
     n = table.num_rows
     top = table.ladder[0]
-    top_id = PRECISION_ID[top if top in ("bf16", "fp16") else "bf16"]
+    # "Full precision" is the checkpoint's own format: bf16/fp16, or FP8 blocks for an FP8
+    # checkpoint (whose host master holds nothing more precise to restore).
+    top_id = PRECISION_ID[top if top in MASTER_PRECISIONS else "bf16"]
     ladder_ids = np.array([PRECISION_ID[p] for p in table.ladder], dtype=np.int8)
 
     def pages(ids: np.ndarray) -> int:

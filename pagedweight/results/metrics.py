@@ -70,13 +70,13 @@ def request_rows(requests: list[Request]) -> list[dict]:
     rows = []
     for r in requests:
         ttft = _ms(r.first_token_s, r.arrival_s)
-        e2el = _ms(r.finish_s, r.arrival_s) if r.state == FINISHED else float("nan")
+        e2el = _ms(r.finish_s, r.arrival_s) if r.state is FINISHED else float("nan")
         n = r.num_output_tokens
-        tpot = (e2el - ttft) / (n - 1) if r.state == FINISHED and n > 1 else float("nan")
+        tpot = (e2el - ttft) / (n - 1) if r.state is FINISHED and n > 1 else float("nan")
         rows.append(
             {
                 "request_id": r.request_id,
-                "state": r.state,
+                "state": r.state.value,
                 "arrival_s": r.arrival_s,
                 "prompt_tokens": r.prompt_tokens,
                 "max_output_tokens": r.max_output_tokens,
@@ -135,7 +135,7 @@ def _inter_token_ms(done: list[Request]) -> np.ndarray:
 
 def summarize(requests: list[Request], slo: Slo = Slo(), steps: dict[str, np.ndarray] | None = None) -> dict:
     """The run's summary. ``steps`` (``StepRecorder.columns()``) adds KV usage figures."""
-    done = [r for r in requests if r.state == FINISHED]
+    done = [r for r in requests if r.state is FINISHED]
     # The same arithmetic as request_rows, on arrays: no dict per request.
     arrival = _floats(r.arrival_s for r in done)
     ttft = (_floats(r.first_token_s for r in done) - arrival) * 1e3
@@ -157,8 +157,8 @@ def summarize(requests: list[Request], slo: Slo = Slo(), steps: dict[str, np.nda
     out = {
         "num_requests": len(requests),
         "completed": len(done),
-        "rejected": sum(r.state == REJECTED for r in requests),
-        "unfinished": len(requests) - len(done) - sum(r.state == REJECTED for r in requests),
+        "rejected": sum(r.state is REJECTED for r in requests),
+        "unfinished": len(requests) - len(done) - sum(r.state is REJECTED for r in requests),
         "duration_s": duration_s,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
@@ -218,11 +218,14 @@ class StepRecorder:
     _FLOAT_NAMES = [c for c in COLUMNS if c in _STEP_FLOAT_COLUMNS]
     _INT_NAMES = [c for c in COLUMNS if c not in _STEP_FLOAT_COLUMNS]
 
-    def __init__(self) -> None:
+    def __init__(self, max_rows: int | None = None) -> None:
+        """``max_rows``: keep only the newest rows (a long-running server); None keeps all."""
         # Full blocks: (float columns, int columns), each (columns, rows), C order.
         self._chunks: list[tuple[np.ndarray, np.ndarray]] = []
         self._rows: list[tuple] = []  # the block being filled (at most CHUNK_ROWS tuples)
-        self._num_rows = 0
+        self._max_rows = max_rows or None
+        self._num_held = 0  # rows in the blocks and the block being filled
+        self.num_recorded = 0  # every step, beyond the window too
         self._columns: dict[str, np.ndarray] | None = None  # cached until the next row
 
     def record(
@@ -250,7 +253,7 @@ class StepRecorder:
         rows = self._rows
         rows.append(
             (
-                self._num_rows,
+                self.num_recorded,
                 start_s,
                 duration_s,
                 num_running,
@@ -273,11 +276,20 @@ class StepRecorder:
                 *counts[_WEIGHT_OWNERS],
             )
         )
-        self._num_rows += 1
+        self.num_recorded += 1
+        self._num_held += 1
         self._columns = None
         if len(rows) == self.CHUNK_ROWS:
             self._chunks.append(self._block(rows))
             self._rows = []
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drops whole blocks that lie entirely before the window (``columns`` cuts the rest)."""
+        if self._max_rows is None:
+            return
+        while self._chunks and self._num_held - self._chunks[0][0].shape[1] >= self._max_rows:
+            self._num_held -= self._chunks.pop(0)[0].shape[1]
 
     @classmethod
     def _block(cls, rows: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
@@ -285,12 +297,12 @@ class StepRecorder:
         return np.ascontiguousarray(table[:, cls._FLOAT_IDX].T), table[:, cls._INT_IDX].T.astype(np.int64, order="C")
 
     def __len__(self) -> int:
-        return self._num_rows
+        return min(self._num_held, self._max_rows or self._num_held)
 
     def columns(self) -> dict[str, np.ndarray]:
         if self._columns is not None:
             return self._columns
-        if not self._num_rows:
+        if not self._num_held:
             return {c: np.zeros(0) for c in self.COLUMNS}
         if self._rows:
             self._chunks.append(self._block(self._rows))
@@ -300,6 +312,9 @@ class StepRecorder:
             ints = np.concatenate([i for _, i in self._chunks], axis=1)
             self._chunks = [(floats, ints)]
         floats, ints = self._chunks[0]
+        if self._max_rows is not None and floats.shape[1] > self._max_rows:  # the newest rows only
+            floats, ints = floats[:, -self._max_rows :].copy(), ints[:, -self._max_rows :].copy()
+            self._chunks, self._num_held = [(floats, ints)], self._max_rows
         out = {name: floats[k] for k, name in enumerate(self._FLOAT_NAMES)}
         out |= {name: ints[k] for k, name in enumerate(self._INT_NAMES)}
         self._columns = {name: out[name] for name in self.COLUMNS}

@@ -43,6 +43,45 @@ def atomic_write_csv(df: pd.DataFrame, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def trace_meta(trace) -> dict:
+    """What summary.json says about a ``RequestTrace``."""
+    return {"source": trace.source, "num_requests": len(trace), "notes": list(trace.notes)}
+
+
+def run_meta(
+    *,
+    runtime: str,
+    scenario: str,
+    model: str,
+    gpu: str,
+    budget_bytes: int,
+    page_bytes: int,
+    latency_model: str,
+    importance: str,
+    trace: dict,
+    seed: int | None = None,
+    **extra,
+) -> dict:
+    """The run facts at the top of summary.json, in one order for both runtimes. ``extra``
+    (runtime-specific facts) comes before the trace; ``seed`` is left out when there is none
+    (a live server)."""
+    meta = {
+        "runtime": runtime,
+        "scenario": scenario,
+        "model": model,
+        "gpu": gpu,
+        "budget_bytes": budget_bytes,
+        "page_bytes": page_bytes,
+        "latency_model": latency_model,
+        "importance": importance,
+        **extra,
+        "trace": trace,
+    }
+    if seed is not None:
+        meta["seed"] = seed
+    return meta
+
+
 def weight_summary(steps: dict[str, np.ndarray], page_bytes: int) -> dict:
     """Time-weighted mean and final weight bytes per precision, from the step table."""
     dur = steps["duration_s"]
@@ -95,7 +134,7 @@ def write_policy_tables(parts_dir: Path, policy: str, requests: list[Request], c
     _write_steps(parts_dir / "steps.csv", policy, core.steps.columns())
     _write_requests(parts_dir / "requests.csv", policy, requests)
     frames = (
-        ("transitions", lambda: pd.DataFrame(core.transitions, columns=TRANSITION_COLUMNS)),
+        ("transitions", lambda: pd.DataFrame([t.row() for t in core.transitions], columns=TRANSITION_COLUMNS)),
         (
             "initial_precisions",
             lambda: pd.DataFrame(

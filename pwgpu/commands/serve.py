@@ -12,20 +12,21 @@ import os
 import signal
 
 from pagedweight.policy.policies import POLICY_NAMES
+from pwgpu.commands import core_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the tiny default model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--mem-budget", default="64MiB", help="arena size for weights and KV, e.g. '64MiB', '70GiB'")
+    core_options.add_arguments(p, budget_default="64MiB")
     p.add_argument("--policy", default="pagedweight", choices=POLICY_NAMES)
-    p.add_argument("--page-bytes", help="pool page size, a power of two (default: >= 32KiB, one KV block at least)")
-    p.add_argument("--kv-block-tokens", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--max-model-len", type=int, help="context limit (default: the checkpoint's)")
     p.add_argument("--max-pending", type=int, default=64, help="unfinished requests before answering 429")
+    p.add_argument("--max-body-bytes", default="1MiB", help="largest request body, e.g. '1MiB' (default: 1MiB)")
+    p.add_argument("--history-window", type=int, default=10000,
+                   help="request records, steps and precision changes kept for --out (the newest; default: 10000; "
+                        "0: all, which grows without bound)")  # fmt: skip
+    p.add_argument("--workers", type=int, default=2, help="threads for parsing, tokenizing and detokenizing")
     p.add_argument("--importance", help="importance table CSV (default: a synthetic table)")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
@@ -35,26 +36,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace):
     """(engine thread, FastAPI app) from parsed arguments."""
+    import dataclasses
+
     from pagedweight.config.scenario import parse_bytes
+    from pagedweight.errors import ConfigError
     from pwgpu.default_model import default_model_dir
     from pwgpu.engine import Engine, EngineConfig
     from pwgpu.engine_thread import EngineThread
     from pwgpu.server import ServerSettings, build_app
     from pwgpu.tokenizer import Tokenizer
 
+    if args.history_window < 0:
+        raise ConfigError(f"--history-window(={args.history_window}) must be >= 0 (0: keep everything)")
+    if args.workers < 1:
+        raise ConfigError(f"--workers(={args.workers}) must be >= 1")
     model_dir = args.model or default_model_dir()
-    cfg = EngineConfig(
-        budget_bytes=parse_bytes(args.mem_budget),
-        policy=args.policy,
-        page_bytes=parse_bytes(args.page_bytes) if args.page_bytes else None,
-        kv_block_tokens=args.kv_block_tokens,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        device=args.device,
-        dtype=args.dtype,
-        importance=args.importance,
-    )
+    core = dataclasses.replace(core_options.core_config(args), history_window=args.history_window or None)
+    cfg = EngineConfig(core, policy=args.policy, device=args.device, dtype=args.dtype, importance=args.importance)
     engine = Engine(model_dir, cfg)
     try:
         tokenizer = Tokenizer(model_dir)
@@ -63,7 +61,8 @@ def build(args: argparse.Namespace):
     max_len = engine.core.scheduler.config.max_model_len
     settings = ServerSettings(
         model_name=engine.spec.name, api_key=args.api_key, max_pending=args.max_pending,
-        max_prompt_tokens=max_len - 1, max_tokens_limit=max_len - 1,
+        max_prompt_tokens=max_len - 1, max_tokens_limit=max_len - 1, max_body_bytes=parse_bytes(args.max_body_bytes),
+        num_workers=args.workers,
     )  # fmt: skip
     runner = EngineThread(engine).start()
     return runner, build_app(runner, tokenizer, settings)

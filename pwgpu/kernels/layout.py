@@ -12,11 +12,15 @@ Blob of one matrix (sections back to back, no padding, so the size is exact):
   of 8 for sub-byte formats, and int3 packs 8 elements into 3 bytes, so int3 needs ``K % 8 == 0``.
   - bf16 / fp16: the raw 2-byte values, row-major.
   - fp8: E4M3 (``float8_e4m3fn``) codes, one byte each; ``w = code * scale[n]``.
+  - fp8-b128: E4M3 codes; ``w = code * scale[n // 128, k // 128]``: one scale per 128 x 128
+    block, ragged at the edges. Data then scales is exactly a DeepSeek-V3 FP8 checkpoint's
+    ``weight`` bytes followed by its ``weight_scale_inv`` bytes.
   - int8: two's-complement int8 codes; ``w = code * scale[n]`` (symmetric, codes in [-127, 127]).
   - int4 / int3 / int2: unsigned codes ``q`` in ``[0, 2**b - 1]``, asymmetric:
     ``w = (q - zero[n, g]) * scale[n, g]`` with ``g = k // group_size``.
 - scales: per-channel formats (fp8, int8): ``scale[N]`` float32. Grouped formats:
-  ``scale[N, ceil(K / group_size)]`` float16, row-major.
+  ``scale[N, ceil(K / group_size)]`` float16, row-major. fp8-b128:
+  ``scale[ceil(N / 128), ceil(K / 128)]`` float32, row-major.
 - zeros (grouped formats only): ``zero[N, ceil(K / group_size)]`` uint8, row-major.
 
 Kernels read the scale section through a typed pointer, so the scale section's offset (= data
@@ -46,7 +50,7 @@ from dataclasses import dataclass
 from pagedweight.core.spec import Precision, get_precision
 
 # Format codes the kernels specialise on (tl.constexpr), one per storage family.
-FMT_FP16, FMT_BF16, FMT_FP8, FMT_INT_SYM, FMT_INT_ASYM = 0, 1, 2, 3, 4
+FMT_FP16, FMT_BF16, FMT_FP8, FMT_INT_SYM, FMT_INT_ASYM, FMT_FP8_BLOCK = 0, 1, 2, 3, 4, 5
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_FLOOR = 2.0**-14  # smallest normal fp16: a grouped scale never underflows when stored
 AMAX_FLOOR = 1e-12  # all-zero rows get a tiny positive scale instead of a division by zero
@@ -63,7 +67,8 @@ class MatrixLayout:
     fmt: int
     bits: int
     group_size: int  # 0 for per-channel scales or no scales
-    groups_per_row: int  # scale (and zero) entries per row
+    groups_per_row: int  # scale (and zero) entries per row (per block row for fp8-b128)
+    group_rows: int  # rows sharing one scale: 1, or 128 for fp8-b128 (square blocks)
     scale_bytes_each: int  # 4 (fp32), 2 (fp16) or 0
     data_bytes: int
     scale_offset: int
@@ -86,7 +91,7 @@ def format_code(p: Precision) -> int:
     if p.name == "bf16":
         return FMT_BF16
     if p.kind == "float":
-        return FMT_FP8
+        return FMT_FP8_BLOCK if p.group_rows > 1 else FMT_FP8
     return FMT_INT_ASYM if p.zero_bits else FMT_INT_SYM
 
 
@@ -96,9 +101,11 @@ def matrix_layout(precision: str | Precision, n: int, k: int) -> MatrixLayout:
         raise ValueError(f"precision {p.name}: {p.weight_bits}-bit weights have no kernel layout")
     data_bytes = (n * k * p.weight_bits + 7) // 8
     groups_per_row = 0 if p.scale_bits == 0 else (1 if p.group_size is None else -(-k // p.group_size))
+    if p.group_rows > 1 and (p.group_rows != p.group_size or p.zero_bits):
+        raise ValueError(f"precision {p.name}: only square symmetric blocks have a kernel layout")
     scale_each = p.scale_bits // 8
     scale_offset = data_bytes
-    zero_offset = scale_offset + n * groups_per_row * scale_each
+    zero_offset = scale_offset + -(-n // p.group_rows) * groups_per_row * scale_each
     total = zero_offset + (n * groups_per_row * p.zero_bits + 7) // 8
     if total != p.matrix_bytes(n, k):
         raise AssertionError(f"layout of {p.name} [{n}, {k}] is {total} bytes, spec says {p.matrix_bytes(n, k)}")
@@ -110,6 +117,7 @@ def matrix_layout(precision: str | Precision, n: int, k: int) -> MatrixLayout:
         bits=p.weight_bits,
         group_size=p.group_size or 0,
         groups_per_row=groups_per_row,
+        group_rows=p.group_rows,
         scale_bytes_each=scale_each,
         data_bytes=data_bytes,
         scale_offset=scale_offset,

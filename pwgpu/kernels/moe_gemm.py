@@ -1,6 +1,8 @@
 """Fused MoE expert FFN over experts of mixed precision, read through the page table.
 
-    y[t] = sum_j w[t, j] * W2_e (SiLU(W1_e x[t]) * (W3_e x[t])),   e = topk_ids[t, j]
+    y[t] = sum_j w[t, j] * W2_e (act(W1_e x[t]) * (W3_e x[t])),   e = topk_ids[t, j]
+
+with act SiLU (SwiGLU) or GELU (GeGLU, erf or tanh form; ``ACT`` codes in ACTIVATIONS order).
 
 Steps, as in vLLM's fused MoE: (1) ``align_tokens`` sorts the T*k (token, slot) pairs by expert
 and pads each expert's run to a multiple of BLOCK_M; (2) blocks are grouped by the precision of
@@ -24,6 +26,7 @@ from pwgpu.kernels.block_config import BlockConfig, get_config
 from pwgpu.kernels.layout import check_kernel_shape, matrix_layout
 from pwgpu.kernels.paging import PagedExperts
 from pwgpu.kernels.quant import fp8_native, interpreting, page_shift
+from pwgpu.kernels.reference import ACTIVATIONS
 from pwgpu.kernels.tile_io import cast_rne, mma_chunk
 
 
@@ -111,6 +114,24 @@ def _block_rows(sorted_slots, block_expert, class_blocks, class_offsets, class_i
     return pid_m < count, expert, slots
 
 
+ACT_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}  # silu 0, gelu 1, gelu_tanh 2
+_GELU: tl.constexpr = tl.constexpr(ACT_CODES["gelu"])
+_GELU_TANH: tl.constexpr = tl.constexpr(ACT_CODES["gelu_tanh"])
+
+
+@triton.jit
+def _activation(x, ACT: tl.constexpr):
+    """fp32 act(x), as torch computes it: silu, gelu (erf) or gelu's tanh approximation, written as
+    ``x * sigmoid(2 z)`` (= ``0.5 x (1 + tanh z)``), no tanh needed."""
+    if ACT == _GELU:
+        out = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == _GELU_TANH:
+        out = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))  # 2 * sqrt(2 / pi)
+    else:
+        out = x * tl.sigmoid(x)
+    return out
+
+
 @triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, H]
@@ -131,6 +152,7 @@ def _gate_up_kernel(
     zero_off,
     groups_per_row,
     TOP_K: tl.constexpr,
+    ACT: tl.constexpr,
     FMT: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -169,7 +191,7 @@ def _gate_up_kernel(
                 groups_per_row, FMT, BITS, GROUP, PAGE_SHIFT, ROW_CHUNK, CHUNK_ALIGN16, FP8_NATIVE, DOT_FP32, PACKED,
                 BLOCK_K,
             )  # fmt: skip
-        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        act = _activation(acc_gate, ACT) * acc_up
         out_mask = tok_ok[:, None] & (n < F)
         act = cast_rne(act, act_ptr.dtype.element_ty, DOT_FP32)
         tl.store(act_ptr + slots[:, None].to(tl.int64) * F + n, act, mask=out_mask)
@@ -261,6 +283,7 @@ def fused_moe(
     topk_weights: torch.Tensor,
     experts: PagedExperts,
     config: BlockConfig | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """x [T, H] (bf16/fp16), topk_ids [T, k] int, topk_weights [T, k] -> y [T, H] in x.dtype.
 
@@ -315,7 +338,7 @@ def fused_moe(
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
             if is_gate_up:
-                _gate_up_kernel[grid](x, x.stride(0), act, *common, TOP_K=top_k, **consts)
+                _gate_up_kernel[grid](x, x.stride(0), act, *common, TOP_K=top_k, ACT=ACT_CODES[activation], **consts)
             else:
                 # At least 4 K blocks per split: shorter slices cost more in atomics than they win.
                 split_k = max(1, min(cfg.split_k, triton.cdiv(k, 4 * cfg.block_k)))

@@ -19,6 +19,7 @@ from pwgpu.kernels.layout import (
     AMAX_FLOOR,
     FMT_BF16,
     FMT_FP8,
+    FMT_FP8_BLOCK,
     FMT_FP16,
     FMT_INT_ASYM,
     FP8_MAX,
@@ -33,6 +34,7 @@ from pwgpu.kernels.tile_io import cast_rne, fp8e4m3_encode, load_weight_tile, tr
 _FP16: tl.constexpr = tl.constexpr(FMT_FP16)
 _BF16: tl.constexpr = tl.constexpr(FMT_BF16)
 _FP8: tl.constexpr = tl.constexpr(FMT_FP8)
+_FP8_BLOCK: tl.constexpr = tl.constexpr(FMT_FP8_BLOCK)
 _FP8_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR: tl.constexpr = tl.constexpr(AMAX_FLOOR)
 _SCALE_FLOOR: tl.constexpr = tl.constexpr(SCALE_FLOOR)
@@ -74,6 +76,20 @@ def _quantize_kernel(
                 bits = w.to(tl.float32).to(tl.int32, bitcast=True)
                 bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
                 tl.store(dst.to(tl.pointer_type(tl.int16)), bits.to(tl.int16), mask=m)
+    elif FMT == _FP8_BLOCK:  # program (block row, block column); BLOCK_N == BLOCK_K == GROUP
+        g = tl.program_id(1)
+        k = g * GROUP + tl.arange(0, GROUP)[None, :]
+        m = row_ok & (k < K)
+        w = tl.load(w_ptr + n * stride_wn + k, mask=m, other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(w), axis=1, keep_dims=True), axis=0, keep_dims=True)  # [1, 1]
+        scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
+        # The block's one scale, stored by the tile's first row only.
+        first = (tl.arange(0, BLOCK_N)[:, None] == 0) & row_ok
+        s_logical = scale_off + (tl.program_id(0) * groups_per_row + g) * 4 + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+        s_dst = (pool + translate(page_tab, first_page, s_logical, first, PAGE_SHIFT)).to(tl.pointer_type(tl.float32))
+        tl.store(s_dst, scale + tl.zeros([BLOCK_N, 1], dtype=tl.float32), mask=first)
+        code = fp8e4m3_encode(tl.clamp(tl.math.div_rn(w, scale), -_FP8_MAX, _FP8_MAX))
+        tl.store(pool + translate(page_tab, first_page, n * row_bytes + k, m, PAGE_SHIFT), code.to(tl.uint8), mask=m)
     elif GROUP == 0:  # per-channel symmetric: fp8 or int8, two passes over the row
         qmax: tl.constexpr = _FP8_MAX if FMT == _FP8 else 127.0
         amax = tl.zeros([BLOCK_N, 1], dtype=tl.float32)
@@ -203,7 +219,10 @@ def quantize_into(
     lay = matrix_layout(precision, n, k)
     check_kernel_shape(lay)
     block_n = 16
-    if lay.fmt == FMT_INT_ASYM:
+    if lay.fmt == FMT_FP8_BLOCK:  # one program per scale block
+        block_n = block_k = lay.group_size
+        grid = (triton.cdiv(n, block_n), lay.groups_per_row)
+    elif lay.fmt == FMT_INT_ASYM:
         grid, block_k = (triton.cdiv(n, block_n), lay.groups_per_row), lay.group_size
     else:
         grid, block_k = (triton.cdiv(n, block_n),), 128

@@ -15,6 +15,7 @@ from pwgpu.kernels.layout import (
     AMAX_FLOOR,
     FMT_BF16,
     FMT_FP8,
+    FMT_FP8_BLOCK,
     FMT_FP16,
     FMT_INT_ASYM,
     FMT_INT_SYM,
@@ -24,6 +25,14 @@ from pwgpu.kernels.layout import (
     elements_per_word,
     matrix_layout,
 )
+
+# The gated FFN's activation, by MoeArch.hidden_act; the MoE kernel's ACT codes follow this order.
+# transformers' names: silu = swish; gelu (erf); gelu_tanh = gelu_pytorch_tanh = gelu_new.
+ACTIVATIONS = {
+    "silu": F_.silu,
+    "gelu": F_.gelu,
+    "gelu_tanh": lambda x: F_.gelu(x, approximate="tanh"),
+}
 
 
 def _round_half_up(x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +67,19 @@ def _grouped(w32: torch.Tensor, group_size: int) -> torch.Tensor:
     return F_.pad(w32, (0, groups * group_size - k)).view(n, groups, group_size)
 
 
+def _blocks(w32: torch.Tensor, b: int) -> torch.Tensor:
+    """``[N, K]`` -> ``[ceil(N / b), ceil(K / b), b, b]``, the edge blocks zero-padded."""
+    n, k = w32.shape
+    bn, bk = -(-n // b), -(-k // b)
+    padded = F_.pad(w32, (0, bk * b - k, 0, bn * b - n))
+    return padded.view(bn, b, bk, b).transpose(1, 2)
+
+
+def _expand_blocks(scale: torch.Tensor, b: int, n: int, k: int) -> torch.Tensor:
+    """One value per ``b x b`` block ``[BN, BK]`` -> one per element ``[n, k]``."""
+    return scale.repeat_interleave(b, dim=0)[:n].repeat_interleave(b, dim=1)[:, :k]
+
+
 def quantize_ref(w: torch.Tensor, precision: str) -> torch.Tensor:
     """``w[N, K]`` (any float dtype) -> its packed blob, ``uint8[matrix_bytes(N, K)]``."""
     n, k = w.shape
@@ -67,6 +89,12 @@ def quantize_ref(w: torch.Tensor, precision: str) -> torch.Tensor:
         dtype = torch.float16 if lay.fmt == FMT_FP16 else torch.bfloat16
         return w.to(dtype).contiguous().view(torch.uint8).reshape(-1)
     w32 = w.float()
+    if lay.fmt == FMT_FP8_BLOCK:
+        blocks = _blocks(w32, lay.group_size)  # [BN, BK, b, b], edge blocks zero-padded
+        scale = blocks.abs().amax(dim=(2, 3)).clamp_min(AMAX_FLOOR) / FP8_MAX  # [BN, BK] fp32
+        scaled = (w32 / _expand_blocks(scale, lay.group_size, n, k)).clamp(-FP8_MAX, FP8_MAX)
+        data = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+        return torch.cat([data.reshape(-1), scale.contiguous().view(torch.uint8).reshape(-1)])
     if lay.fmt in (FMT_FP8, FMT_INT_SYM):
         qmax = FP8_MAX if lay.fmt == FMT_FP8 else 127.0
         scale = w32.abs().amax(dim=1).clamp_min(AMAX_FLOOR) / qmax  # [N] fp32
@@ -101,6 +129,10 @@ def dequantize_ref(blob: torch.Tensor, precision: str, n: int, k: int, dtype=tor
     if lay.fmt in (FMT_FP16, FMT_BF16):
         src = torch.float16 if lay.fmt == FMT_FP16 else torch.bfloat16
         return data.view(src).view(n, k).to(dtype)
+    if lay.fmt == FMT_FP8_BLOCK:
+        scale = blob[lay.scale_offset : lay.zero_offset].view(torch.float32).view(-1, lay.groups_per_row)
+        codes = data.view(torch.float8_e4m3fn).view(n, k).float()
+        return (codes * _expand_blocks(scale, lay.group_size, n, k)).to(dtype)
     if lay.fmt in (FMT_FP8, FMT_INT_SYM):
         scale = blob[lay.scale_offset : lay.zero_offset].view(torch.float32)
         codes = data.view(torch.float8_e4m3fn if lay.fmt == FMT_FP8 else torch.int8).view(n, k).float()
@@ -131,12 +163,14 @@ def moe_ffn_dense_ref(
     w1: list[torch.Tensor],
     w3: list[torch.Tensor],
     w2: list[torch.Tensor],
+    activation: str = "silu",
 ) -> torch.Tensor:
     """Routed-expert FFN, one expert at a time: ``y[t] = sum_j weight[t, j] * FFN_{id[t, j]}(x[t])``.
 
     x [T, H], topk_ids/topk_weights [T, k], w1[e]/w3[e] [F, H], w2[e] [H, F] -> y [T, H] in x.dtype.
-    Matmuls accumulate in fp32 and the SiLU*up product is rounded to x.dtype, as the kernel does.
+    Matmuls accumulate in fp32 and the act(gate)*up product is rounded to x.dtype, as the kernel does.
     """
+    act_fn = ACTIVATIONS[activation]
     t, h = x.shape
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
     x32 = x.float()
@@ -147,13 +181,13 @@ def moe_ffn_dense_ref(
         xe = x32[tok]
         gate = xe @ w1[e].float().T
         up = xe @ w3[e].float().T
-        act = (F_.silu(gate) * up).to(x.dtype).float()
+        act = (act_fn(gate) * up).to(x.dtype).float()
         y = (act @ w2[e].float().T) * topk_weights[tok, slot].float()[:, None]
         out.index_add_(0, tok, y)
     return out.to(x.dtype)
 
 
-def moe_ffn_paged_ref(x, topk_ids, topk_weights, experts) -> torch.Tensor:
+def moe_ffn_paged_ref(x, topk_ids, topk_weights, experts, activation: str = "silu") -> torch.Tensor:
     """The same FFN reading each routed expert through the page table (``paging.PagedExperts``).
 
     Only experts that received tokens are dequantised: the CPU engine's path.
@@ -165,4 +199,4 @@ def moe_ffn_paged_ref(x, topk_ids, topk_weights, experts) -> torch.Tensor:
         w1.append(mats[0])
         w3.append(mats[1])
         w2.append(mats[2])
-    return moe_ffn_dense_ref(x, topk_ids, topk_weights, w1, w3, w2)
+    return moe_ffn_dense_ref(x, topk_ids, topk_weights, w1, w3, w2, activation)

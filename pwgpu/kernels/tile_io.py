@@ -17,11 +17,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pwgpu.kernels.layout import FMT_BF16, FMT_FP8, FMT_FP16, FMT_INT_ASYM, FMT_INT_SYM
+from pwgpu.kernels.layout import FMT_BF16, FMT_FP8, FMT_FP8_BLOCK, FMT_FP16, FMT_INT_ASYM, FMT_INT_SYM
 
 _FP16: tl.constexpr = tl.constexpr(FMT_FP16)
 _BF16: tl.constexpr = tl.constexpr(FMT_BF16)
 _FP8: tl.constexpr = tl.constexpr(FMT_FP8)
+_FP8_BLOCK: tl.constexpr = tl.constexpr(FMT_FP8_BLOCK)
 _INT_SYM: tl.constexpr = tl.constexpr(FMT_INT_SYM)
 _INT_ASYM: tl.constexpr = tl.constexpr(FMT_INT_ASYM)
 
@@ -137,12 +138,23 @@ def load_weight_tile(
             code = tl.load(
                 pool + translate(page_tab, first_page, n * row_bytes + k, mask, PAGE_SHIFT), mask=mask, other=0
             )
-        # Per-channel scale: one fp32 per row, looked up per row whatever the mode.
-        s_ptr = (pool + translate(page_tab, first_page, scale_off + n * 4, row_mask, PAGE_SHIFT)).to(
+        if FMT == _FP8_BLOCK:
+            # One fp32 scale per GROUP x GROUP block: per row per chunk when the chunk lies in
+            # one block column (ROW_CHUNK), else per element.
+            if ROW_CHUNK:
+                s_idx = (n // GROUP) * groups_per_row + k0 // GROUP
+                s_mask = row_mask
+            else:
+                s_idx = (n // GROUP) * groups_per_row + k // GROUP
+                s_mask = mask
+        else:  # per-channel scale: one fp32 per row, looked up per row whatever the mode
+            s_idx = n
+            s_mask = row_mask
+        s_ptr = (pool + translate(page_tab, first_page, scale_off + s_idx * 4, s_mask, PAGE_SHIFT)).to(
             tl.pointer_type(tl.float32)
         )
-        scale = tl.load(s_ptr, mask=row_mask, other=0.0)
-        if FMT == _FP8:
+        scale = tl.load(s_ptr, mask=s_mask, other=0.0)
+        if FMT == _FP8 or FMT == _FP8_BLOCK:  # noqa: SIM109
             w = fp8e4m3_decode(code, FP8_NATIVE) * scale
         else:
             w = code.to(tl.int8, bitcast=True).to(tl.float32) * scale

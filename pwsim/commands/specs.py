@@ -22,11 +22,18 @@ def run(args: argparse.Namespace) -> int:
             f"({m.num_moe_layers} MoE layers x {m.num_experts}, top-{m.top_k})"
         )
         print(f"  pinned (attention, embeddings, routers, shared/dense FFN) {m.pinned_bytes() / GiB:.2f} GiB")
-        print(f"  KV cache {m.kv_bytes_per_token() / 1024:.1f} KiB per token ({m.attention})")
+        if m.attention == "mla":  # the compressed latent and the shared RoPE key, per layer
+            per_layer = f"(kv_lora_rank {m.kv_lora_rank} + qk_rope_head_dim {m.qk_rope_head_dim})"
+        else:
+            per_layer = f"2 x {m.num_kv_heads} KV heads x {m.head_dim}"
+        print(
+            f"  KV cache {m.kv_bytes_per_token():,} B = {m.kv_bytes_per_token() / 1024:.1f} KiB per token "
+            f"({m.attention}: {m.num_layers} layers x {per_layer} x {m.dtype_bytes} B)"
+        )
         _, n, k = m.expert_matrices[0]
-        for p in PRECISIONS.values():
+        for p in sorted(PRECISIONS.values(), key=lambda p: -p.rank):  # most precise first
             print(
-                f"  {p.name:5s} {p.bits_per_weight(n, k):6.3f} bit/weight  expert {m.expert_bytes(p) / 2**20:9.2f} MiB"
+                f"  {p.name:8s} {p.bits_per_weight(n, k):6.3f} bit/weight  expert {m.expert_bytes(p) / 2**20:9.2f} MiB"
                 f"  all weights {m.weight_bytes(p) / GiB:8.2f} GiB"
             )
         return 0

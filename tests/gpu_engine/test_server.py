@@ -1,12 +1,8 @@
 """``pwgpu serve`` on loopback, driven by the official ``openai`` client and raw HTTP; then
 ``pwgpu replay`` of a short trace against it."""
 
-import contextlib
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,44 +10,13 @@ import httpx
 import numpy as np
 import pandas as pd
 import pytest
+from server_process import API_KEY, metric, serve, wait_for_metrics
 
-API_KEY = "test-key"
+import proc
+
+# Every test here starts a server process: the end-to-end tier (`pytest -m e2e`).
+pytestmark = pytest.mark.e2e
 MAX_PENDING = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve(tmp, *args):
-    """A ``pwgpu serve`` process (default model, free loopback port) writing results to tmp/results;
-    yields (url, process)."""
-    port = _free_port()
-    env = dict(os.environ, PAGEDWEIGHT_CACHE=str(tmp / "cache"), PWGPU_API_KEY=API_KEY)
-    cmd = [sys.executable, "-m", "pwgpu.cli", "serve", "--port", str(port), "--out", str(tmp / "results"), *args]
-    with open(tmp / "server.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited: {(tmp / 'server.log').read_text()}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.3)
-            else:
-                raise RuntimeError("server did not become healthy within 120 s")
-            yield url, proc
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +27,8 @@ def server(tmp_path_factory):
     # A fixed small model, not the default one: the checkout's default may be retrained meanwhile.
     model = write_random_mixtral(tmp / "model")
     args = ("--model", str(model), "--mem-budget", "24MiB", "--max-pending", str(MAX_PENDING), "--max-model-len", "512")
-    with serve(tmp, *args) as (url, proc):
-        yield url, tmp, proc
+    with serve(tmp, *args) as (url, server_proc):
+        yield url, tmp, server_proc
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +75,8 @@ def test_error_statuses_and_server_keeps_serving(server, client):
     url = server[0]
     h = _headers()
     cases = [
-        (httpx.post(f"{url}/v1/completions", content=b"{not json", headers=h), 400),
-        (httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": -3}, headers=h), 400),
-        (httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, headers=h), 400),
-        (httpx.post(f"{url}/v1/completions", json={"prompt": [1] * 600}, headers=h), 413),
-        (httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 600}, headers=h), 400),
-        (httpx.post(f"{url}/v1/completions", json={"prompt": "x"}), 401),
-        (httpx.post(f"{url}/v1/completions", content=b"x" * (2 << 20), headers=h), 413),
+        (httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=60), 401),
+        (httpx.post(f"{url}/v1/completions", content=b"x" * (2 << 20), headers=h, timeout=60), 413),
     ]
     for resp, status in cases:
         assert resp.status_code == status, resp.text
@@ -135,28 +95,171 @@ def test_error_statuses_and_server_keeps_serving(server, client):
 
 
 def test_disconnect_frees_kv(server):
+    """A stream closed after its first chunk and a plain request whose client goes away while it
+    runs are each aborted once, and their KV is freed."""
     url = server[0]
-    body = {"prompt": [5] * 100, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=_headers(), timeout=60) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
-    # The stream is closed after one chunk; a plain request's client gives up after 1.5 s.
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{url}/v1/completions", json=dict(body, stream=False), headers=_headers(), timeout=1.5)
-    # Both requests are aborted and their KV freed.
-    deadline = time.monotonic() + 90  # generous: a loaded 2-core machine took over 30 s once
-    while time.monotonic() < deadline:
-        metrics = httpx.get(f"{url}/metrics").text
-        kv = [line for line in metrics.splitlines() if line.startswith("pwgpu:pool_pages{") and 'owner="kv"' in line]
-        aborts = [line for line in metrics.splitlines() if 'finished_reason="abort"' in line]
-        if kv and kv[0].endswith(" 0") and aborts and int(aborts[0].split()[-1]) >= 2:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"KV not freed after a disconnect: kv {kv}, aborts {aborts}\n{metrics}")
-    for name in ("pwgpu:num_requests_running", "pwgpu:kv_cache_usage_perc", "pwgpu:time_to_first_token_seconds_bucket",
-                 "pwgpu:weight_bytes{", "pwgpu:precision_transitions_total{"):  # fmt: skip
+
+    def aborts(m: str) -> float:
+        return metric(m, "vllm:request_success_total", finished_reason="abort")
+
+    def idle(m: str) -> bool:
+        return metric(m, "pwgpu:pool_pages", owner="kv") == 0 and metric(m, "vllm:num_requests_running") == 0
+
+    before = aborts(wait_for_metrics(url, idle, "no request running"))
+    body = {"prompt": [5] * 100, "max_tokens": 400, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, stream=True), headers=_headers(),
+                      timeout=60) as r:  # fmt: skip
+        assert next(r.iter_lines()).startswith("data: ")
+    wait_for_metrics(url, lambda m: idle(m) and aborts(m) == before + 1, "the stream aborted and its KV freed")
+    # The plain request's client leaves once the server runs the request, not after a fixed
+    # time: under load the server may not have read the request by then.
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n")  # fmt: skip
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(head.encode() + payload)
+        wait_for_metrics(url, lambda m: metric(m, "vllm:num_requests_running") == 1, "the plain request running")
+    metrics = wait_for_metrics(url, lambda m: idle(m) and aborts(m) >= before + 2, "the plain request aborted")
+    time.sleep(0.5)  # an abort counted twice would show by now
+    metrics = httpx.get(f"{url}/metrics", timeout=60).text
+    assert aborts(metrics) == before + 2, metrics
+    assert metric(metrics, "vllm:kv_cache_usage_perc") == 0
+    for name in ("vllm:num_requests_waiting{", "vllm:time_to_first_token_seconds_bucket{", "pwgpu:weight_bytes{",
+                 "pwgpu:precision_transitions_total{", "vllm:e2e_request_latency_seconds_count{"):  # fmt: skip
         assert name in metrics
+
+
+def test_finish_reasons_tokens_and_latencies_are_counted(server, client):
+    """A stop-string finish counts as "stop" (with its end-to-end latency), a max_tokens finish
+    as "length"; token counters match the usage the client got; TTFT and queue time run from
+    when the HTTP request arrived (its body trickling in for a second counts)."""
+    url = server[0]
+    model = client.models.list().data[0].id
+    m0 = httpx.get(f"{url}/metrics", timeout=60).text
+    full = client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+    text = full.choices[0].text
+    stop = next(ch for ch in text[2:] if ch.isprintable() and ch != "\ufffd")
+    cut = client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[: text.index(stop)]
+
+    def slow_body():
+        yield b'{"prompt": "Hello", "max_tokens": 2, '
+        time.sleep(1.0)
+        yield b'"ignore_eos": true}'
+
+    slow = httpx.post(f"{url}/v1/completions", content=slow_body(), headers=_headers(), timeout=60)
+    assert slow.status_code == 200, slow.text
+    m1 = httpx.get(f"{url}/metrics", timeout=60).text
+
+    def delta(name, **labels):
+        return metric(m1, name, **labels) - metric(m0, name, **labels)
+
+    assert delta("vllm:request_success_total", finished_reason="stop") == 1
+    assert delta("vllm:request_success_total", finished_reason="length") == 2
+    assert delta("vllm:request_success_total", finished_reason="abort") == 0
+    assert delta("vllm:e2e_request_latency_seconds_count") == 3
+    usages = [full.usage, cut.usage, slow.json()["usage"]]
+    assert delta("vllm:generation_tokens_total") == 8 + cut.usage.completion_tokens + 2
+    assert delta("vllm:prompt_tokens_total") == sum(u.prompt_tokens if hasattr(u, "prompt_tokens")
+                                                    else u["prompt_tokens"] for u in usages)  # fmt: skip
+    assert delta("vllm:time_to_first_token_seconds_count") == 3
+    # The slow body alone adds a second to TTFT, queue time and end-to-end latency.
+    for name in ("vllm:time_to_first_token_seconds_sum", "vllm:request_queue_time_seconds_sum",
+                 "vllm:e2e_request_latency_seconds_sum"):  # fmt: skip
+        assert delta(name) >= 1.0, name
+
+
+INPUT_ERRORS = [
+    # (method, path, body: dict or raw bytes, status, the field named in "param" or None)
+    ("POST", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt"),
+    (
+        "POST",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x\\udc00"}]}',
+        400,
+        "messages.0.content",
+    ),
+    ("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
+    ("POST", "/v1/completions", b"{not json", 400, None),
+    ("POST", "/v1/completions", b"[1, 2]", 400, None),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": "0.5"}, 400, "temperature"),
+    ("POST", "/v1/completions", {"prompt": "x", "n": "2"}, 400, "n"),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
+    ("POST", "/v1/completions", {"prompt": [1, True]}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "foo": 1}, 400, "foo"),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("POST", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("POST", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("POST", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("POST", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("POST", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("POST", "/v1/completions", {"prompt": "x", "model": "nope"}, 404, "model"),
+    ("POST", "/v1/completions", {"prompt": [1] * 600}, 413, "prompt"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
+    # Far more text than 511 tokens can hold: refused before it is tokenized.
+    ("POST", "/v1/completions", {"prompt": "hello world " * 70000}, 413, "prompt"),
+    ("POST", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role"),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages.0.content.0",
+    ),  # fmt: skip
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]},
+        400,
+        "tools",
+    ),
+    ("GET", "/nope", None, 404, None),
+    ("GET", "/v1/nope", None, 404, None),
+    ("DELETE", "/v1/completions", None, 405, None),
+    ("POST", "/health", None, 405, None),
+]
+
+
+@pytest.mark.parametrize("method, path, body, status, param", INPUT_ERRORS)
+def test_input_errors_are_4xx_in_openai_shape(server, method, path, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+    r = httpx.request(method, f"{server[0]}{path}", headers=_headers(), timeout=60, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["message"] and err["type"]
+    assert err["param"] == param, err
+
+
+def test_body_limit_holds_without_content_length(server, client):
+    """A 2 MiB body sent chunked (no Content-Length) is refused at the 1 MiB limit, and the
+    server goes on serving."""
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(2048):
+            yield b"x" * 1024
+        yield b'"}'
+
+    r = httpx.post(f"{server[0]}/v1/completions", content=chunks(), headers=_headers(), timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    assert client.completions.create(model=client.models.list().data[0].id, prompt="ok", max_tokens=2).choices
 
 
 def test_replay_short_trace(server, tmp_path):
@@ -177,16 +280,22 @@ def test_replay_short_trace(server, tmp_path):
     assert "PagedWeight report" in (out / "report.html").read_text()
 
 
-def test_sigterm_writes_results(server):
-    """Last in the module (tests run in file order): SIGTERM stops the server gracefully and
-    it writes the run's results directory (``--out``) on the way out."""
-    url, tmp, proc = server
-    proc.terminate()
-    assert proc.wait(timeout=60) == 0
-    summary = json.loads((tmp / "results" / "summary.json").read_text())
+def test_sigterm_writes_results(tmp_path):
+    """SIGTERM stops the server gracefully and it writes the run's results directory (``--out``)
+    on the way out, with every request it served."""
+    from pwgpu.default_model import write_random_mixtral
+
+    model = write_random_mixtral(tmp_path / "model")
+    with serve(tmp_path, "--model", str(model), "--mem-budget", "24MiB") as (url, server):
+        for i in range(5):
+            body = {"prompt": [1, 2, 3 + i], "max_tokens": 4, "ignore_eos": True}
+            assert httpx.post(f"{url}/v1/completions", json=body, headers=_headers(), timeout=120).status_code == 200
+        server.terminate()
+        assert server.wait(timeout=proc.hang_guard_s(6)) == 0
+    summary = json.loads((tmp_path / "results" / "summary.json").read_text())
     s = summary["policies"]["pagedweight"]
-    assert summary["runtime"] == "pwgpu" and s["completed"] >= 5
-    assert len(pd.read_csv(tmp / "results" / "steps.csv")) > 0
+    assert summary["runtime"] == "pwgpu" and s["completed"] == 5 and s["total_output_tokens"] == 20
+    assert len(pd.read_csv(tmp_path / "results" / "steps.csv")) > 0
 
 
 @pytest.mark.slow
@@ -202,17 +311,17 @@ def test_pressure_through_http(tmp_path):
     rows = [f"{t:.3f},{rng.integers(150, 250)},{rng.integers(60, 120)}" for t in np.sort(rng.uniform(0, 2, 12))]
     trace = tmp_path / "trace.csv"
     trace.write_text("arrival_s,prompt_tokens,output_tokens\n" + "\n".join(rows) + "\n")
-    with serve(tmp_path, "--model", str(model), "--mem-budget", "8.5MiB") as (url, proc):
+    with serve(tmp_path, "--model", str(model), "--mem-budget", "8.5MiB") as (url, server):
         meta = replay(trace, url, tmp_path / "replay", api_key=API_KEY, report=False)
         assert meta["policies"]["pagedweight"]["completed"] == 12
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # load is gone: the controller upgrades back
-            metrics = httpx.get(f"{url}/metrics").text
+            metrics = httpx.get(f"{url}/metrics", timeout=60).text
             if 'precision="int4"} 0' in metrics:
                 break
             time.sleep(0.5)
-        proc.terminate()
-        assert proc.wait(timeout=60) == 0
+        server.terminate()
+        assert server.wait(timeout=proc.hang_guard_s(6)) == 0
     steps = pd.read_csv(tmp_path / "results" / "steps.csv")
     assert steps["num_downgrades"].sum() > 0 and steps["weight_pages_int4"].max() > 0
     assert steps["kv_pages"].max() > 40

@@ -5,11 +5,12 @@ the CPU-side guard for the GPU path; it also checks that weight tiles still load
 async copies (a lost alignment hint silently turns them into 1-byte loads)."""
 
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
+
+import proc
 
 SCRIPT = textwrap.dedent(
     """
@@ -35,20 +36,25 @@ SCRIPT = textwrap.dedent(
         src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()}, attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
 
-    for prec in ("bf16", "fp8", "int4", "int3"):
+    for prec in ("bf16", "fp8-b128", "fp8", "int4", "int3"):
         for gate_up, (n, k) in ((True, (14336, 4096)), (False, (4096, 14336))):
             lay = matrix_layout(prec, n, k)
             row_chunk, align16, packed = moe_gemm._chunk_flags(prec, n, k, 64, 1 << 21)
             consts = dict(FMT=lay.fmt, BITS=lay.bits, GROUP=lay.group_size or 1, PAGE_SHIFT=21, ROW_CHUNK=row_chunk,
                           CHUNK_ALIGN16=align16, FP8_NATIVE=True, DOT_FP32=False, PACKED=packed, BLOCK_M=16,
                           BLOCK_N=64, BLOCK_K=64)
-            consts.update(TOP_K=2) if gate_up else consts.update(SPLIT_K=4)
+            consts.update(TOP_K=2, ACT=0) if gate_up else consts.update(SPLIT_K=4)
             ptx = compile_sm90(moe_gemm._gate_up_kernel if gate_up else moe_gemm._down_kernel, consts).asm["ptx"]
             copies16 = len(re.findall(r"cp\\.async\\.\\w+\\.shared\\.global[^\\]]*\\], \\[[^\\]]*\\], 0x10", ptx))
             print(f"gemm {prec} {'gate_up' if gate_up else 'down'} row_chunk={row_chunk} copies16={copies16}")
+            if prec == "bf16" and gate_up:  # the GELU epilogues (erf, and tanh written with a sigmoid)
+                for act in (1, 2):
+                    compile_sm90(moe_gemm._gate_up_kernel, dict(consts, ACT=act))
+                print("gemm gelu ok")
         lay = matrix_layout(prec, 4096, 4096)
+        block_n = lay.group_size if lay.group_rows > 1 else 16  # fp8-b128: one program per scale block
         compile_sm90(quant._quantize_kernel, dict(FMT=lay.fmt, BITS=lay.bits, GROUP=lay.group_size, PAGE_SHIFT=21,
-                                                  BLOCK_N=16, BLOCK_K=lay.group_size or 128))
+                                                  BLOCK_N=block_n, BLOCK_K=lay.group_size or 128))
         compile_sm90(quant._dequantize_kernel, dict(FMT=lay.fmt, BITS=lay.bits, GROUP=lay.group_size or 1,
                                                     PAGE_SHIFT=21, FP8_NATIVE=True, EXACT_BF16=False, BLOCK_N=16,
                                                     BLOCK_K=64))
@@ -57,17 +63,19 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 def test_kernels_compile_for_sm90_with_vector_loads(tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     script = tmp_path / "compile_sm90.py"
     script.write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    done = proc.run([sys.executable, str(script)], env=env, quiet_s=15)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.rsplit(" ", 1) for line in done.stdout.splitlines() if line.startswith("gemm"))
-    for prec in ("bf16", "fp8", "int4"):  # the per-row-chunk and packed paths: 16-byte weight copies
+    for prec in ("bf16", "fp8-b128", "fp8", "int4"):  # the per-row-chunk and packed paths: 16-byte weight copies
         for which in ("gate_up", "down"):
             copies = int(lines[f"gemm {prec} {which} row_chunk=True"].split("=")[1])
             assert copies > 0, f"{prec} {which}: weight tiles no longer load as 16-byte copies"
-    assert sum(line.startswith("quant") for line in done.stdout.splitlines()) == 4
+    assert sum(line.startswith("quant") for line in done.stdout.splitlines()) == 5
+    assert "gemm gelu ok" in done.stdout

@@ -17,7 +17,7 @@ from pwgpu.kernels.moe_gemm import align_tokens, fused_moe
 from pwgpu.kernels.paging import PagedExperts
 from pwgpu.kernels.reference import moe_ffn_dense_ref, moe_ffn_paged_ref
 
-ALL = ["bf16", "fp16", "fp8", "int8", "int4", "int3", "int2"]
+ALL = ["bf16", "fp16", "fp8-b128", "fp8", "int8", "int4", "int3", "int2"]
 # Relative L2 error of the kernel vs the reference, by activation dtype (8 and 11 mantissa bits).
 REL_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3}
 SMALL = BlockConfig(16, 32, 32)  # tl.dot's smallest tiles: many programs, all edge paths
@@ -105,11 +105,33 @@ def test_top_k_equals_experts(device):
 
 @pytest.mark.parametrize("page_bytes", [16, 4096], ids=["page<chunk", "page>matrix"])
 def test_mixed_precisions_in_one_call(device, page_bytes):
-    """All seven formats in one layer; tiny pages force per-element translation, big ones the
+    """All eight formats in one layer; tiny pages force per-element translation, big ones the
     per-row-chunk path. Blocks of 20 tokens span two BLOCK_M blocks for some experts."""
-    ex = _experts(7, 64, 128, ALL, device, page_bytes=page_bytes, seed=3)
-    ids, w = _routing(20, 7, 2, device, seed=3)
+    ex = _experts(8, 64, 128, ALL, device, page_bytes=page_bytes, seed=3)
+    ids, w = _routing(20, 8, 2, device, seed=3)
     _check(torch.randn(20, 64, device=device).bfloat16(), ids, w, ex)
+
+
+@pytest.mark.parametrize("page_bytes", [64, 65536], ids=["per-element", "row-chunk"])
+def test_fp8_blocks_across_block_rows_and_columns(device, page_bytes):
+    """H = 256 and F = 160: two 128 x 128 scale blocks along each side of every matrix, the last
+    ones ragged; each tile must find its own block's scale."""
+    ex = _experts(3, 256, 160, ["fp8-b128", "int4", "fp8-b128"], device, page_bytes=page_bytes, seed=5)
+    ids, w = _routing(6, 3, 2, device, seed=5)
+    _check(torch.randn(6, 256, device=device).bfloat16(), ids, w, ex)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_gelu_epilogues(device, activation):
+    """GeGLU experts (hidden_act gelu / gelu_pytorch_tanh): the kernel's epilogue against torch's."""
+    ex = _experts(4, 64, 96, ["bf16", "int8", "int4", "fp8-b128"], device, seed=6)
+    ids, w = _routing(9, 4, 2, device, seed=6)
+    x = torch.randn(9, 64, device=device).bfloat16()
+    got = fused_moe(x, ids, w, ex, SMALL, activation=activation)
+    want = moe_ffn_paged_ref(x.cpu(), ids.cpu(), w.cpu(), _on_cpu(ex), activation)
+    silu = moe_ffn_paged_ref(x.cpu(), ids.cpu(), w.cpu(), _on_cpu(ex))
+    err = (got.cpu().float() - want.float()).norm() / want.float().norm()
+    assert err < REL_TOL[x.dtype] and (silu - want).float().norm() / want.float().norm() > 10 * err
 
 
 def test_k_tail_and_fp16_activations(device):

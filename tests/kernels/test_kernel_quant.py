@@ -11,12 +11,13 @@ from pwgpu.kernels import quant, reference
 from pwgpu.kernels.layout import check_kernel_shape, matrix_layout
 from pwgpu.kernels.tile_io import fp8e4m3_decode, fp8e4m3_encode
 
-ALL = ["bf16", "fp16", "fp8", "int8", "int4", "int3", "int2"]
+ALL = ["bf16", "fp16", "fp8-b128", "fp8", "int8", "int4", "int3", "int2"]
 SHAPES = [
     (1, 128),  # one row
     (16, 264),  # K not a multiple of the group: a partial last group
     (33, 64),  # N not a multiple of BLOCK_N; K smaller than int4's group
     (6, 8),  # tiny K: one int3 word per row (6 rows keep int3's scale section 2-byte aligned)
+    (136, 200),  # fp8-b128: 2 x 2 blocks, both ragged at the edge
 ]
 
 
@@ -67,16 +68,21 @@ def test_quantize_matches_reference_bytes(device, precision, shape):
 # Largest |w - dequant(quant(w))| allowed, as a multiple of the format's step: symmetric
 # rounding is within half a step; asymmetric can be one step off at the range ends, where the
 # zero point's own rounding shifts the grid by up to half a step.
-@pytest.mark.parametrize("precision", ["fp8", "int8", "int4", "int3", "int2"])
+@pytest.mark.parametrize("precision", ["fp8-b128", "fp8", "int8", "int4", "int3", "int2"])
 def test_dequantized_error_is_within_the_format_bound(device, precision):
-    n, k = 16, 256
+    n, k = (136, 200) if precision == "fp8-b128" else (16, 256)
     w = _weights(n, k, device, seed=1).float()
     blob = quant.quantize(w, precision)
     err = (quant.dequantize(blob, precision, n, k, torch.float32) - w).abs().cpu()
     lay = matrix_layout(precision, n, k)
     blob = blob.cpu()
-    if precision == "fp8":
-        scale = blob[lay.scale_offset : lay.zero_offset].view(torch.float32)[:, None]
+    if precision in ("fp8", "fp8-b128"):
+        scale = blob[lay.scale_offset : lay.zero_offset].view(torch.float32)
+        if precision == "fp8":
+            scale = scale[:, None]
+        else:  # one scale per 128 x 128 block
+            rows, cols = torch.arange(n)[:, None] // 128, torch.arange(k)[None, :] // 128
+            scale = scale.view(-1, lay.groups_per_row)[rows, cols]
         # Half an ulp of a 3-bit mantissa (2^-4 relative), or half the subnormal step 2^-9.
         bound = torch.maximum(w.abs().cpu() * 2.0**-4, scale * 2.0**-10)
     elif precision == "int8":
@@ -135,6 +141,18 @@ def test_fp8_codec_matches_torch_on_every_code_and_tie(device):
     assert torch.equal(dec.cpu(), want.float())
     if quant.fp8_native(torch.device(device)):
         assert torch.equal(dec_native.cpu(), want.float())
+
+
+def test_fp8_block_scales_are_per_block():
+    """Each 128 x 128 block gets its own scale: a block of large weights does not coarsen its
+    neighbours (one scale per row would)."""
+    w = torch.full((130, 260), 0.01)
+    w[:128, 128:256] = 3.0  # block (0, 1) alone is large
+    lay = matrix_layout("fp8-b128", 130, 260)
+    blob = reference.quantize_ref(w, "fp8-b128")
+    scales = blob[lay.scale_offset : lay.zero_offset].view(torch.float32).view(2, 3)
+    torch.testing.assert_close(scales, torch.tensor([[0.01, 3.0, 0.01], [0.01, 0.01, 0.01]]) / 448)
+    assert torch.equal(reference.dequantize_ref(blob, "fp8-b128", 130, 260, torch.float32), w)
 
 
 def test_bad_shapes_and_pages_say_what_is_wrong():
