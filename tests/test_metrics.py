@@ -87,6 +87,27 @@ def test_step_recorder_keeps_rows_exact_across_blocks():
     assert (cols["free_pages"] == 64).all()
 
 
+@pytest.mark.parametrize("window", [1, 10, StepRecorder.CHUNK_ROWS, StepRecorder.CHUNK_ROWS + 3])
+def test_step_recorder_window_keeps_the_newest_rows_across_blocks(window):
+    """A server's history window: only the newest ``window`` steps, numbered as recorded, and
+    whole blocks before the window are dropped as they fill (memory stays bounded)."""
+    pool = PagePool(64 * 4096, 4096)
+    rec = StepRecorder(max_rows=window)
+    n = 3 * StepRecorder.CHUNK_ROWS + 11
+    for i in range(n):
+        rec.record(
+            start_s=float(i), duration_s=1.0, num_running=i % 7, num_waiting=0, num_prefill_tokens=i,
+            num_decodes=0, num_preempted=0, kv_blocks_used=0, kv_blocks_free=0, pool=pool,
+        )  # fmt: skip
+        if i == 2 * StepRecorder.CHUNK_ROWS:
+            assert rec.columns()["step"][-1] == i  # reading mid-run does not disturb what follows
+        assert rec._num_held <= window + 2 * StepRecorder.CHUNK_ROWS  # a block before the window, one filling
+    cols = rec.columns()
+    assert rec.num_recorded == n and len(rec) == window
+    assert (cols["step"] == np.arange(n - window, n)).all()
+    assert (cols["num_prefill_tokens"] == np.arange(n - window, n)).all()
+
+
 def test_step_table_written_in_slices_is_the_whole_table(tmp_path):
     import pandas as pd
 
