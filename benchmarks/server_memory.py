@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from pagedweight.core.runtime import CoreConfig
+from pagedweight.core.scheduler import SchedulerConfig
 from pwgpu.default_model import write_random_mixtral
 from pwgpu.engine import Engine, EngineConfig
 from pwgpu.sampling import SamplingParams
@@ -38,8 +40,9 @@ def rss_mib() -> float:
 
 
 def run(model_dir: Path, requests: int, window: int | None, every: int, batch: int) -> list[tuple]:
-    engine = Engine(model_dir, EngineConfig(budget_bytes=24 << 20, policy="static-fp16", max_num_seqs=batch,
-                                            max_num_batched_tokens=batch, history_window=window))  # fmt: skip
+    limits = SchedulerConfig(max_num_batched_tokens=batch, max_num_seqs=batch)
+    core = CoreConfig(budget_bytes=24 << 20, scheduler=limits, history_window=window)
+    engine = Engine(model_dir, EngineConfig(core, policy="static-fp16"))
     metrics = ServerMetrics("bench")
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     done: list = []

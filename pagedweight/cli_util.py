@@ -37,18 +37,18 @@ def build_main(prog: str, description: str, commands: dict[str, str]) -> Callabl
                 # used, and every other command keeps working.
                 sub = subs.add_parser(name, help=f"(unavailable: needs module {e.name})", add_help=False)
                 sub.add_argument("rest", nargs=argparse.REMAINDER)
-                sub.set_defaults(_run=_unavailable(prog, name, e))
+                sub.set_defaults(run_command=_unavailable(prog, name, e))
                 continue
             doc = (module.__doc__ or "").strip().replace("%", "%%")  # argparse formats help with %
             sub = subs.add_parser(name, help=doc.splitlines()[0] if doc else None, description=doc)
             module.add_arguments(sub)
-            sub.set_defaults(_run=module.run)
+            sub.set_defaults(run_command=module.run)
         args = parser.parse_args(argv)
-        if not getattr(args, "_run", None):
+        if not getattr(args, "run_command", None):
             parser.print_help()
             return EXIT_USAGE
         try:
-            return int(args._run(args) or 0)
+            return int(args.run_command(args) or 0)
         except PagedWeightError as e:
             print(f"{prog} {args.command}: error: {e}", file=sys.stderr)
             return EXIT_USAGE

@@ -48,7 +48,7 @@ class EngineThread:
                 self._wake.clear()
         except Exception as e:  # the server answers 503 from now on and tells waiting clients why
             self.error = f"{type(e).__name__}: {e}"
-            for er in list(eng._by_req.values()):
+            for er in eng.unfinished():
                 if er.on_event is not None:
                     er.finish_reason = "error"
                     er.on_event(er, [], True)

@@ -267,8 +267,17 @@ class MoeTransformer:
         self.dtype = pinned.embed.dtype
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, kv: PagedKvCache):
-        """input_ids, positions [T] -> final hidden states [T, H] (before the final norm)."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv: PagedKvCache,
+        routing_counts: torch.Tensor | None = None,
+    ):
+        """input_ids, positions [T] -> final hidden states [T, H] (before the final norm).
+        ``routing_counts`` [MoE layers, E] int64 on the device, if given, gains the tokens the
+        router sent to each expert (what the controller's drift tracker observes)."""
         a = self.arch
         h = F_.embedding(input_ids, self.w.embed)
         # RoPE angles once per step for all layers; the largest position is known on the host.
@@ -276,7 +285,7 @@ class MoeTransformer:
         attention = self._mla if a.attention == "mla" else self._attention
         for i, lw in enumerate(self.w.layers):
             h = h + attention(i, lw, rms_norm(h, lw.input_norm, a.rms_norm_eps), angles, batch, kv)
-            h = h + self._ffn(i, lw, rms_norm(h, lw.post_norm, a.rms_norm_eps))
+            h = h + self._ffn(i, lw, rms_norm(h, lw.post_norm, a.rms_norm_eps), routing_counts)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -321,11 +330,17 @@ class MoeTransformer:
         out = torch.einsum("thr,hvr->thv", out, w_kv_b[:, dn:])  # W_uv after the softmax: [T, Hq, Dv]
         return F_.linear(out.reshape(t, heads * dv), lw.o, lw.o_bias)
 
-    def _ffn(self, layer: int, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, layer: int, lw: LayerWeights, x: torch.Tensor, routing_counts: torch.Tensor | None = None):
         if lw.router is None:
             return swiglu(x, *lw.dense, self.arch.hidden_act)
         ids, weights = route(self.arch, x, lw.router, lw.router_bias)
-        y = self.experts.moe_ffn(layer - self.arch.num_dense_layers, x, ids, weights.to(x.dtype))
+        moe_layer = layer - self.arch.num_dense_layers
+        if routing_counts is not None:
+            # One scatter-add on the device per layer; read by the host once per step. (On CUDA
+            # torch.bincount reads the largest id back to size its output: a sync per layer.)
+            ids_flat = ids.reshape(-1)
+            routing_counts[moe_layer].index_add_(0, ids_flat, torch.ones_like(ids_flat))
+        y = self.experts.moe_ffn(moe_layer, x, ids, weights.to(x.dtype))
         if lw.shared is not None:
             shared = swiglu(x, *lw.shared, self.arch.hidden_act)
             if lw.shared_gate is not None:

@@ -11,18 +11,23 @@ of its positions (``pwgpu.served.TokenLog``), for re-scoring what was served.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from pagedweight.config.run import ScenarioRun
 from pagedweight.errors import PagedWeightError
+from pagedweight.policy.importance import ImportanceTable
 from pagedweight.policy.policies import PolicyInfeasible
 from pagedweight.results.metrics import Slo
-from pagedweight.results.writer import ResultsWriter, policy_summary
+from pagedweight.results.writer import ResultsWriter, policy_summary, trace_meta
 from pagedweight.workload.build import truncate_to_context
 from pagedweight.workload.traces import RequestTrace
-from pwgpu.engine import Engine, EngineConfig, EngineRequest
+from pwgpu.engine import Clock, Engine, EngineConfig, EngineRequest
+from pwgpu.loader import SCENARIO_DTYPE
 from pwgpu.sampling import SamplingParams
 
 
@@ -57,47 +62,70 @@ def run_trace(
             continue
         if i < n:  # idle until the next arrival; let upgrades land meanwhile
             engine.idle_tick()
-            time.sleep(max(0.0, min(float(trace.arrival_s[i]) - (engine.now() - t0), 0.01)))
-        elif not engine.store.upgrades_in_flight and not engine.core.scheduler.running:
-            sched = engine.core.scheduler
-            raise PagedWeightError(f"{engine.cfg.policy}: stalled with {len(sched.waiting)} requests waiting")
+            engine.clock.idle(t0 + float(trace.arrival_s[i]))
+        else:
+            engine.core.check_stall(requests_coming=False)
     return out
+
+
+def scenario_engine_config(run: ScenarioRun, device: str | None = None, dtype: str | None = None) -> EngineConfig:
+    """The engine configured exactly as ``pwsim`` configures its core for the scenario: the
+    scenario's ``CoreConfig`` (so its model must be the checkpoint's) and bf16 compute, the
+    2-byte weights and KV the simulator counts, unless ``dtype`` says otherwise."""
+    return EngineConfig(core=run.core, device=device, dtype=dtype or SCENARIO_DTYPE)
+
+
+def policy_engine(
+    model_dir: str | Path,
+    base: EngineConfig,
+    policy: str,
+    table: ImportanceTable | None = None,
+    clock: Clock | None = None,
+) -> Engine:
+    """The engine of one policy of a run."""
+    return Engine(model_dir, dataclasses.replace(base, policy=policy), table, clock)
 
 
 def run_policies(
     model_dir: str | Path,
     trace: RequestTrace,
     base: EngineConfig,
-    policies: list[str],
+    policies: list[str] | tuple[str, ...],
     out_dir: str | Path,
     seed: int = 0,
     report: bool = True,
     scenario: str | None = None,
+    table: ImportanceTable | None = None,
+    slo: Slo | None = None,
+    scenario_yaml: str | None = None,
+    clock: Callable[[], Clock] | None = None,
     prompt_source=None,
-    overrides: dict[str, dict] | None = None,
+    tables: dict[str, ImportanceTable] | None = None,
     record_logits: bool = False,
 ) -> dict:
     """Every policy over the same requests, one engine each; one results directory.
-    ``scenario`` names the run (as ``pwsim run`` does) so that the two can be compared.
+    ``scenario`` names the run (as ``pwsim run`` does) so that the two can be compared;
+    ``table``, ``slo`` and ``scenario_yaml`` come from the scenario when there is one;
+    ``clock`` makes each engine's clock (default: wall time). ``tables[policy]`` replaces
+    ``table`` for that policy (e.g. a policy on its own precision ladder).
     ``prompt_source(trace) -> (prompts, sources)`` gives real prompts and turns on
     ``tokens.jsonl`` (``record_logits``: also the engine's logits of every sampled token, in
-    ``served_logits.npz``); ``overrides[policy]`` replaces fields of that policy's ``EngineConfig``
-    (e.g. ``precisions`` for a policy on its own ladder)."""
-    import dataclasses
-
+    ``served_logits.npz``)."""
     writer: ResultsWriter | None = None
     errors: dict[str, str] = {}
     token_logs, engine_logits = [], {}
     for policy in policies:
         wall0 = time.perf_counter()
         try:
-            engine = Engine(model_dir, dataclasses.replace(base, policy=policy, **(overrides or {}).get(policy, {})))
+            policy_table = (tables or {}).get(policy, table)
+            engine = policy_engine(model_dir, base, policy, policy_table, clock() if clock else None)
         except PolicyInfeasible as e:
             errors[policy] = str(e)
             continue
         t = truncate_to_context(trace, engine.core.scheduler.config.max_model_len)
         if writer is None:
-            writer = ResultsWriter(Path(out_dir), _meta(engine, t, seed, scenario))
+            meta = engine.results_meta(scenario or f"{engine.spec.name} offline", trace_meta(t), seed)
+            writer = ResultsWriter(Path(out_dir), meta)
         if prompt_source is None:
             ers = run_trace(engine, t, seed)
         else:
@@ -111,18 +139,18 @@ def run_policies(
             token_logs.append(log.finish(engine, ers))
             engine_logits[policy] = log.logits
         reqs = [er.req for er in ers]
-        summary = policy_summary(reqs, engine.core, Slo(), time.perf_counter() - wall0, engine.store.h2d_bytes)
+        summary = policy_summary(reqs, engine.core, slo or Slo(), time.perf_counter() - wall0, engine.store.h2d_bytes)
         writer.add(policy, reqs, engine.core, summary)
         del engine
     if writer is None:
-        raise PagedWeightError(f"no policy fits in {base.budget_bytes} bytes: {errors}")
+        raise PagedWeightError(f"no policy fits in {base.core.budget_bytes} bytes: {errors}")
     for policy, message in errors.items():
         writer.add_error(policy, message)
     if prompt_source is not None:
         from pwgpu.served import write_token_logs
 
         write_token_logs(writer.out_dir / "tokens.jsonl", token_logs, engine_logits if record_logits else None)
-    meta = writer.write()
+    meta = writer.write(scenario_yaml)
     if report:
         from pagedweight.results.report import write_report
 
@@ -130,20 +158,18 @@ def run_policies(
     return meta
 
 
-def _meta(engine: Engine, trace: RequestTrace, seed: int, scenario: str | None = None) -> dict:
-    import torch
-
-    device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
-    return {
-        "runtime": "pwgpu",
-        "scenario": scenario or f"{engine.spec.name} offline",
-        "model": engine.spec.name,
-        "gpu": device,
-        "budget_bytes": engine.core.pool.total_bytes,
-        "page_bytes": engine.page_bytes,
-        "latency_model": f"measured on {device} ({engine.dtype})",
-        "importance": engine.table.provenance,
-        "checkpoint_notes": engine.load_notes,
-        "trace": {"source": trace.source, "num_requests": len(trace), "notes": list(trace.notes)},
-        "seed": seed,
-    }
+def run_scenario(
+    run: ScenarioRun,
+    model_dir: str | Path,
+    out_dir: str | Path,
+    device: str | None = None,
+    dtype: str | None = None,
+    report: bool = True,
+    **extra,
+) -> dict:
+    """``pwgpu run --scenario``: the scenario's policies on the engine, from ``scenario_run``.
+    ``extra``: ``run_policies``'s real prompts, per-policy tables and logits recording."""
+    base = scenario_engine_config(run, device, dtype)
+    return run_policies(model_dir, run.trace, base, run.policies, out_dir, run.seed, report=report,
+                        scenario=run.name, table=run.table, slo=run.slo, scenario_yaml=run.resolved_yaml,
+                        **extra)  # fmt: skip

@@ -162,7 +162,7 @@ class ServerMetrics:
                [({"owner": o}, usage.get(o, 0)) for o in ("free", "kv", "pinned", "transition")])  # fmt: skip
         series("pwgpu:pool_page_bytes", "Bytes per pool page.", "gauge", [({}, pool.page_bytes)])
         series("pwgpu:precision_transitions_total", "Expert precision changes.", "counter",
-               [({"kind": k}, n) for k, n in core.num_transitions.items()])  # fmt: skip
+               [({"kind": k.value}, n) for k, n in core.num_transitions.items()])  # fmt: skip
         series("pwgpu:requests_refused_total", "Requests answered with an error, by HTTP status.", "counter",
                [({"code": c}, n) for c, n in sorted(self.refused.items())])  # fmt: skip
         series("pwgpu:quality_proxy", "Importance-weighted loss estimate of the current precisions.", "gauge",

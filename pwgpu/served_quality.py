@@ -89,13 +89,14 @@ def _stamp(run_dir: Path, key: str, seconds: float) -> None:
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
+    from pagedweight.config.run import scenario_run
     from pagedweight.config.scenario import importance_path, load_scenario
     from pagedweight.errors import ConfigError
     from pagedweight.policy.policies import POLICY_NAMES
-    from pwgpu.commands.run import run_scenario
     from pwgpu.default_model import default_model_dir
+    from pwgpu.offline import run_scenario
     from pwgpu.qcache import DiskCache
-    from pwgpu.served import rescore
+    from pwgpu.served import TextPrompts, rescore
 
     start = time.monotonic()
     load_start = os.getloadavg()[0]
@@ -117,10 +118,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.rerun or not _fresh(engine_dir, key):
         t0 = time.monotonic()
-        overrides = {"paper-greedy": {"precisions": paper}}
-        meta, _ = run_scenario(
-            args.scenario, engine_dir, policies, str(model_dir), dtype=args.dtype, prompt_text=args.prompt_text,
-            overrides=overrides, record_logits=True,
+        run = scenario_run(loaded, policies)
+        # paper-greedy on its own ladder: the table of the same scenario with that ladder, as
+        # the simulator gets it from --set memory.precisions below.
+        paper_set = [f"memory.precisions=[{', '.join(paper)}]"]
+        paper_table = scenario_run(load_scenario(args.scenario, paper_set, require_latency_table=False)).table
+        prompts = TextPrompts(model_dir, args.prompt_text, run.seed)
+        run_scenario(
+            run, model_dir, engine_dir, dtype=args.dtype, prompt_source=prompts,
+            tables={"paper-greedy": paper_table}, record_logits=True,
         )  # fmt: skip
         times["engine_s"] = time.monotonic() - t0
         _stamp(engine_dir, key, times["engine_s"])

@@ -36,7 +36,7 @@ import torch
 
 from pagedweight.core.pagetable import Transition
 from pagedweight.core.pool import OWNER_PINNED
-from pagedweight.core.spec import DEFAULT_LADDER, FP8_BLOCK_LADDER, PRECISION_NAMES, PRECISIONS
+from pagedweight.core.spec import DEFAULT_LADDER, FP8_BLOCK_LADDER, PRECISION_NAMES
 from pagedweight.errors import ConfigError
 from pwgpu.kernels.paging import PagedExperts
 from pwgpu.kernels.reference import dequantize_ref
@@ -182,12 +182,6 @@ class WeightStore:
         return PinnedWeights(swap(pinned.embed), swap(pinned.final_norm), swap(pinned.lm_head), pinned.layers)
 
     # ---- the page table the kernels read --------------------------------------------------
-    def _matrix_pages(self, precision: str, pages: np.ndarray) -> list[np.ndarray]:
-        """Split an expert's pages into w1, w3, w2 (matrix order of the page table)."""
-        f, h = self.ffn_size, self.hidden_size
-        counts = [-(-PRECISIONS[precision].matrix_bytes(n, k) // self.page_bytes) for n, k in ((f, h), (f, h), (h, f))]
-        return np.split(pages, np.cumsum(counts)[:-1])
-
     def refresh(self) -> None:
         """Rebuild the tables of layers whose experts flipped since the last forward pass."""
         pt = self.core.page_table
@@ -195,10 +189,11 @@ class WeightStore:
         while len(self.layers) < self.num_layers:
             self.layers.append(None)
         for layer in sorted(self._dirty):
-            precisions = tuple(PRECISION_NAMES[int(i)] for i in pt.precision_ids[layer * e_num : (layer + 1) * e_num])
+            ids = pt.precision_ids[layer * e_num : (layer + 1) * e_num].tolist()
+            precisions = tuple(PRECISION_NAMES[i] for i in ids)
             offsets, first = [], np.zeros((e_num, 3), dtype=np.int32)
             for e in range(e_num):
-                for j, pages in enumerate(self._matrix_pages(precisions[e], pt.pages[layer * e_num + e])):
+                for j, pages in enumerate(pt.matrix_pages(ids[e], pt.pages[layer * e_num + e])):
                     first[e, j] = len(offsets)
                     offsets.extend((pages * self.page_bytes).tolist())
             self.layers[layer] = PagedExperts(
@@ -242,7 +237,7 @@ class WeightStore:
         layer, e = divmod(idx, self.num_experts)
         precision = PRECISION_NAMES[precision_id]
         quantizer = "triton" if self.moe_kernel == "triton" else "reference"
-        for j, mpages in enumerate(self._matrix_pages(precision, pages)):
+        for j, mpages in enumerate(self.core.page_table.matrix_pages(precision_id, pages)):
             offsets = mpages * self.page_bytes
             if precision == self.masters.precision and self.masters.packed:
                 self._copy_blob(self.masters.mats[j][layer][e], offsets)  # the checkpoint's bytes

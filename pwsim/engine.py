@@ -2,8 +2,8 @@
 
 Processes (``env`` passed explicitly, one RNG per run):
 - ``arrivals``: adds each trace request to the scheduler at its arrival time;
-- ``engine``: one SimPy event per engine step: plan precision, schedule, time the step from
-  the latency model, finish the step;
+- ``engine``: the core's step loop (``RuntimeCore.step``), one SimPy timeout per step: the
+  step's ``execute`` times it from the latency model and samples its routing;
 - ``copy_engine``: host-to-device upgrades, one transfer at a time at the GPU's h2d bandwidth,
   overlapped with compute as on hardware; an upgrade flips when its copy completes.
 
@@ -26,12 +26,13 @@ from simpy.core import URGENT
 from simpy.events import Event
 
 from pagedweight.core.pagetable import Transition
-from pagedweight.core.runtime import CoreConfig, RuntimeCore
+from pagedweight.core.runtime import CoreConfig, Executed, RuntimeCore, Step
 from pagedweight.core.scheduler import Request
-from pagedweight.errors import PagedWeightError
+from pagedweight.policy.controller import DOWNGRADE
 from pagedweight.policy.importance import ImportanceTable
 from pagedweight.workload.traces import RequestTrace
 from pwsim.routing import RoutingSampler
+from pwsim.routing_source import RoutingSource
 
 
 class UrgentTimeout(Event):
@@ -56,28 +57,34 @@ class SimEngine:
         seed: int,
         routing_alpha: float = 1.0,
         env: simpy.Environment | None = None,
+        routing: RoutingSource | None = None,
     ):
+        """``routing``: where each step's tokens per expert come from; default: a
+        ``RoutingSampler`` of ``routing_kind`` drawing from the run's RNG."""
         self.env = env or simpy.Environment()
-        self.model = cfg.model
         self.latency = latency
         self.trace = trace
         self.core = RuntimeCore(cfg, policy, table, self, clock=lambda: self.env.now)
-        rng = np.random.default_rng(seed)  # the run's one RNG
-        freqs = table.grid(table.routing_freq) if routing_kind == "importance" else None
-        self.routing = RoutingSampler(cfg.model, freqs, routing_kind, routing_alpha, rng)
+        self.model = self.core.model
+        if routing is None:
+            rng = np.random.default_rng(seed)  # the run's one RNG
+            freqs = table.grid(table.routing_freq) if routing_kind == "importance" else None
+            routing = RoutingSampler(self.model, freqs, routing_kind, routing_alpha, rng)
+        self.routing = routing
         self.requests: list[Request] = []
         self.bytes_h2d = 0
         self._copy_queue: deque[Transition] = deque()
         self._copy_wake: Event | None = None
         self._engine_wake: Event | None = None
         self._arrivals_done = False
-        self._step_extra_s = 0.0
+        self._kv_bytes_per_token = self.model.kv_bytes_per_token()
 
     # ---- TransitionBackend: what a precision change costs in simulated time -------------------
     def downgrade(self, t: Transition) -> None:
-        # Quantised on the device from the resident copy: HBM-bound, and the step that needs
-        # the freed pages waits for it.
-        self._step_extra_s += sum(self.latency.quantize_time_s(n, k, t.to_id) for _, n, k in self.model.expert_matrices)
+        pass  # its quantise time is charged to the step that made it (``_execute``)
+
+    def poll(self) -> None:
+        pass  # the copy engine flips each upgrade when its copy lands (``copy_engine``)
 
     def start_upgrade(self, t: Transition) -> None:
         self._copy_queue.append(t)
@@ -89,15 +96,14 @@ class SimEngine:
 
     # ---- processes --------------------------------------------------------------------------------
     def arrivals(self, env: simpy.Environment):
-        tr, sched = self.trace, self.core.scheduler
+        tr, core = self.trace, self.core
         for i in range(len(tr)):
             delay = float(tr.arrival_s[i]) - env.now
             if delay > 0:
                 yield UrgentTimeout(env, delay)
             req = Request(i, float(tr.arrival_s[i]), int(tr.prompt_tokens[i]), int(tr.output_tokens[i]))
             self.requests.append(req)
-            if not sched.add(req):
-                req.finish_s = env.now
+            core.add(req)
             self._wake_engine()
         self._arrivals_done = True
         self._wake_engine()
@@ -123,8 +129,7 @@ class SimEngine:
 
     def engine(self, env: simpy.Environment):
         core = self.core
-        sched, latency, routing = core.scheduler, self.latency, self.routing
-        kv_bytes_per_token = self.model.kv_bytes_per_token()
+        sched = core.scheduler
         while True:
             if not sched.has_work():
                 if self._arrivals_done:
@@ -132,30 +137,30 @@ class SimEngine:
                 self._engine_wake = env.event()
                 yield self._engine_wake
                 continue
-            start_s = env.now
-            self._step_extra_s = 0.0
-            core.plan_step()
-            batch = sched.schedule(start_s)
-            if not batch.requests:
-                if self._arrivals_done and not core.page_table.in_flight and not sched.running:
-                    raise PagedWeightError(
-                        f"{core.policy}: stalled at t={start_s:.3f}s with {len(sched.waiting)} requests waiting "
-                        "and no memory coming free"
-                    )
+            step = yield from core.step(self._execute)
+            if step is None:  # nothing fits: wait for an arrival or a landed upgrade
+                core.check_stall(requests_coming=not self._arrivals_done)
                 self._engine_wake = env.event()
                 yield self._engine_wake
-                continue
-            shape = batch.shape()
-            tokens = routing.sample(shape.num_tokens)
-            core.observe_routing(tokens)
-            duration_s = latency.step_time_s(shape, tokens, core.precision_grid) + self._step_extra_s
-            swapped_bytes = (batch.swapped_out_tokens + batch.swapped_in_tokens) * kv_bytes_per_token
-            if swapped_bytes:  # kv-swap: KV copies over PCIe, before the step that needs the blocks
-                duration_s += latency.h2d_time_s(swapped_bytes)
-                self.bytes_h2d += batch.swapped_in_tokens * kv_bytes_per_token
-            yield env.timeout(duration_s)
-            sched.finish_step(batch, env.now)
-            core.record_step(start_s, duration_s, batch, shape, swapped_bytes)
+
+    def _execute(self, step: Step) -> Executed:
+        """The step's time from the latency model, its routing from the sampler."""
+        shape, latency = step.shape, self.latency
+        tokens = self.routing.sample(shape.num_tokens)
+        step.observe_routing(tokens)
+        # Downgrades are quantised on the device from the resident copy: HBM-bound, and the
+        # step that needs the freed pages waits for them.
+        quantize_s = 0.0
+        for c in step.changes:
+            if c.kind is DOWNGRADE:
+                quantize_s += sum(latency.quantize_time_s(n, k, c.to_id) for _, n, k in self.model.expert_matrices)
+        duration_s = latency.step_time_s(shape, tokens, self.core.precision_grid) + quantize_s
+        batch = step.batch
+        swapped_bytes = (batch.swapped_out_tokens + batch.swapped_in_tokens) * self._kv_bytes_per_token
+        if swapped_bytes:  # kv-swap: KV copies over PCIe, before the step that needs the blocks
+            duration_s += latency.h2d_time_s(swapped_bytes)
+            self.bytes_h2d += batch.swapped_in_tokens * self._kv_bytes_per_token
+        return Executed(duration_s, swapped_bytes, wait=self.env.timeout(duration_s))
 
     def run(self, progress=None) -> None:
         """Run to the last request. ``progress(now_s)`` is called every 1/200 of the trace."""

@@ -53,6 +53,10 @@ from pagedweight.errors import ConfigError
 SYSTEMATIC_LIMIT_POINTS = 512
 SYSTEMATIC_MAX_MEAN_COUNT = 0.25
 NOISE_POOL_VALUES = 1 << 20
+# Memory for the per-batch-size arrays T * pi and (1 - pi)**T (2 KiB each for Mixtral, 116 KiB
+# at DeepSeek-V3 scale): enough for every batch size of a Mixtral run.
+TOKEN_CACHE_BYTES = 32 << 20
+_clip = np._core.umath.clip if hasattr(np, "_core") else np.core.umath.clip
 MIN_NOISE_PATTERNS = 64
 
 
@@ -163,6 +167,8 @@ class RoutingSampler:
             self._log1m_inclusion = np.log1p(-self._inclusion_flat)  # -inf where pi = 1: always used
         self._uniforms = self.rng.random(max(NOISE_POOL_VALUES, 2 * size))
         self._ones_experts = np.ones(self._num_experts)
+        self._by_tokens: dict[int, list] = {}
+        self._max_cached_token_counts = TOKEN_CACHE_BYTES // (2 * 8 * size)
 
     def _systematic(self, num_tokens: int) -> np.ndarray:
         u = self.rng.random((self._num_layers, num_tokens, 1))
@@ -170,6 +176,16 @@ class RoutingSampler:
         flat = np.searchsorted(self._inclusion_cum_flat, points, side="right")
         size = self._num_layers * self._num_experts
         return np.bincount(np.minimum(flat, size - 1), minlength=size).reshape(self._num_layers, self._num_experts)
+
+    def _per_token_count(self, num_tokens: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """``T * pi`` and, once asked for, ``(1 - pi)**T`` (flat), cached per T: most steps of a
+        run repeat a few hundred batch sizes, and each array costs a numpy call (~1 us) to make."""
+        hit = self._by_tokens.get(num_tokens)
+        if hit is None:
+            hit = [num_tokens * self._inclusion_flat, None]
+            if len(self._by_tokens) < self._max_cached_token_counts:
+                self._by_tokens[num_tokens] = hit
+        return hit
 
     def _normal(self, num_tokens: int) -> np.ndarray:
         """Counts (L, E) summing to T * k per layer, none above T (see the module docstring)."""
@@ -179,8 +195,8 @@ class RoutingSampler:
         scale = math.sqrt(num_tokens / 2)
         x = self._patterns[i] + self._patterns[j]
         x *= scale
-        x += num_tokens * self._inclusion_flat
-        rows = x.reshape(self._num_layers, self._num_experts)
+        cached = self._per_token_count(num_tokens)
+        x += cached[0]
         total = num_tokens * self.top_k
         may_exceed = scale * (self._over_ratio[i] + self._over_ratio[j]) > num_tokens
         may_be_negative = scale * (self._neg_ratio[i] + self._neg_ratio[j]) > num_tokens
@@ -190,15 +206,18 @@ class RoutingSampler:
             # and no value can leave [0, T] while |shortfall| * T <= sum(x (T - x)).
             # Re-drawing the excess as picks instead cost 25 us per round and ran on 85% of
             # Mixtral steps at T = 8 with importance-like frequencies.
-            np.maximum(x, 1.0 if may_be_negative else 0.0, out=x)
-            np.minimum(x, num_tokens, out=x)
+            _clip(x, 1.0 if may_be_negative else 0.0, num_tokens, out=x)  # max, then min: one call
             if may_be_negative:
                 # Some expected count is low enough for the normal to misjudge whether the
                 # expert is used at all (rounding it up overstated Qwen3-30B-A3B's active experts
                 # by up to 19% at T = 2..16). Draw that exactly: unused with probability
                 # (1 - pi)**T, else at least one token.
                 start = int(rand() * (len(self._uniforms) - len(x)))
-                x *= self._uniforms[start : start + len(x)] >= np.exp(num_tokens * self._log1m_inclusion)
+                unused_prob = cached[1]
+                if unused_prob is None:
+                    unused_prob = cached[1] = np.exp(num_tokens * self._log1m_inclusion)
+                x *= self._uniforms[start : start + len(x)] >= unused_prob
+            rows = x.reshape(self._num_layers, self._num_experts)
             weight = (x * (num_tokens - x)).reshape(rows.shape)
             ratio = (total - rows @ self._ones_experts) / (weight @ self._ones_experts)
             ratios = ratio.tolist()  # a list of L floats: min/max in Python beat two numpy reductions
@@ -210,9 +229,8 @@ class RoutingSampler:
         # total exact (every layer's total is an integer, so layer boundaries round exactly).
         cum = np.add.accumulate(x)
         np.rint(cum, out=cum)
-        counts = np.empty(len(cum), dtype=np.int64)
-        counts[0] = cum[0]
-        np.subtract(cum[1:], cum[:-1], out=counts[1:], casting="unsafe")
+        counts = cum.astype(np.int64)
+        counts[1:] -= counts[:-1]  # numpy buffers the overlapping operands
         return counts.reshape(self._num_layers, self._num_experts)
 
     def sample(self, num_tokens: int) -> np.ndarray:

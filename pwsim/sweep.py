@@ -43,6 +43,7 @@ from pagedweight.config.scenario import load_scenario
 from pagedweight.errors import ConfigError, PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
 from pagedweight.results.report_data import METRIC_KEYS, policy_metrics, read_summary
 from pagedweight.results.writer import atomic_write_csv, atomic_write_text
+from pwsim.executor import Display, Job, auto_display, run_jobs
 
 EXECUTORS = ("local", "ray")
 _KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -164,16 +165,19 @@ def is_finished(cell_dir: Path) -> bool:
         return False
 
 
-def run_cell(scenario_path: str, overrides: list[str], cell_dir: str, params: dict, report: bool) -> dict:
+def run_cell(
+    scenario_path: str, overrides: list[str], cell_dir: str, params: dict, report: bool, progress=None
+) -> dict:
     """One ``pwsim run`` into ``cell_dir``, written under a temporary name and renamed when
-    complete. Runs in a worker process or a Ray task: arguments and result are plain data."""
-    from pwsim.run import run_scenario
+    complete. Runs in a worker process or a Ray task: arguments and result are plain data.
+    ``progress(fraction)``: the cell's progress, for the sweep's display."""
+    from pwsim import run
 
     t0 = time.perf_counter()
     final = Path(cell_dir)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    run_scenario(load_scenario(scenario_path, overrides), tmp, report=report)
+    run.run_scenario(load_scenario(scenario_path, overrides), tmp, report=report, on_progress=progress)
     atomic_write_text(tmp / "cell.json", json.dumps({"params": params, "overrides": overrides}, indent=2) + "\n")
     if final.exists():
         shutil.rmtree(final)  # an unfinished cell from an earlier run
@@ -184,22 +188,6 @@ def run_cell(scenario_path: str, overrides: list[str], cell_dir: str, params: di
 def _tasks(sweep: Sweep, out_dir: Path, cells: list[Cell]) -> list[tuple]:
     report = sweep.spec.cell_reports
     return [(str(sweep.scenario_path), list(c.overrides), str(out_dir / c.name), c.params, report) for c in cells]
-
-
-def _run_local(tasks: list[tuple], workers: int) -> Iterator[dict]:
-    if workers <= 1 or len(tasks) <= 1:
-        for t in tasks:
-            yield run_cell(*t)
-        return
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    pool = ProcessPoolExecutor(max_workers=min(workers, len(tasks)))
-    try:
-        futures = [pool.submit(run_cell, *t) for t in tasks]
-        for f in as_completed(futures):
-            yield f.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _run_ray(tasks: list[tuple], address: str | None, workers: int) -> Iterator[dict]:
@@ -228,6 +216,7 @@ def run_sweep(
     workers: int | None = None,
     address: str | None = None,
     log=print,
+    display: Display | None = None,
 ) -> dict:
     """Run the cells not yet finished, then write ``sweep.csv``, ``sweep.json`` and the sweep
     report. Returns ``{"ran": [...], "skipped": [...], "table": DataFrame}``.
@@ -247,15 +236,18 @@ def run_sweep(
     log(f"{sweep.spec.name}: {len(sweep.cells)} cells, {len(skipped)} finished already, {len(todo)} to run")
     ran = []
     tasks = _tasks(sweep, out_dir, todo)
-    if not tasks:
-        results = iter(())
-    elif executor == "ray":
-        results = _run_ray(tasks, address, workers)
-    else:
-        results = _run_local(tasks, workers)
-    for i, r in enumerate(results, 1):
+
+    def finished(i: int, r: dict) -> str:
         ran.append(r["cell"])
-        log(f"[{i}/{len(todo)}] {r['cell']} ({r['wall_s']:.1f} s)")
+        return f"[{len(ran)}/{len(todo)}] {r['cell']} ({r['wall_s']:.1f} s)"
+
+    if executor == "ray" and tasks:
+        for r in _run_ray(tasks, address, workers):
+            log(finished(0, r))
+    elif tasks:
+        # One display for the whole sweep: a bar on a terminal, else a line per cell.
+        jobs = [Job(c.name, run_cell, t) for c, t in zip(todo, tasks, strict=True)]
+        run_jobs(jobs, workers, display or auto_display(True, log), on_result=finished)
     table = sweep_table(sweep, out_dir)
     atomic_write_csv(table, out_dir / "sweep.csv")
     meta = {

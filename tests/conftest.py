@@ -45,8 +45,20 @@ def pytest_configure(config):
     os.environ.pop("PWGPU_DEFAULT_MODEL", None)
 
 
+def _stop_resource_tracker() -> None:
+    """multiprocessing's resource tracker, which the first spawned worker (pwsim's executor, run
+    in the test process) starts for this process and which lives as long as it does, by design:
+    stopped here like any helper of the test process, so only real leftovers are reported."""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        stop()
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_CACHE, ignore_errors=True)
+    _stop_resource_tracker()
     left = proc.survivors(_TOKEN)
     if not left:
         return

@@ -75,3 +75,24 @@ def test_text_table_names_runs_and_reasons(two_runs, capsys):
 def test_not_a_results_directory(tmp_path, capsys):
     assert main(["compare", str(tmp_path)]) == 2
     assert f"{tmp_path}: not a results directory" in capsys.readouterr().err
+
+
+def test_huge_values_keep_columns_apart(two_runs, tmp_path, capsys):
+    """A TTFT past 1e6 ms (an overloaded run) must not run into its neighbours, in pwsim run's
+    table or in compare's."""
+    from pwsim.commands.run import format_table
+
+    a, _ = two_runs
+    big = tmp_path / "big"
+    shutil.copytree(a, big)
+    summary = json.loads((big / "summary.json").read_text())
+    huge = {"mean_ttft_ms": 154912200686.5, "p99_ttft_ms": 831287.1, "mean_tpot_ms": 2.5e7}
+    summary["policies"]["static-fp16"] |= huge
+    (big / "summary.json").write_text(json.dumps(summary))
+    lines = format_table(summary).splitlines()
+    head, row = lines[0].split(), lines[1].split()
+    assert head[:3] == ["policy", "out", "tok/s"] and len(row) == 8  # every value its own field
+    assert row[2:5] == ["154912200686.5", "831287.1", "25000000.00"]
+    assert main(["compare", str(big)]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert "154912200686.5" in row and "831287.1" in row

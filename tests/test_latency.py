@@ -145,6 +145,20 @@ def test_precision_mix_costs_one_launch_per_class():
     assert two - one == pytest.approx(MIXTRAL.num_moe_layers * 5e-6, rel=1e-6)
 
 
+def test_moe_time_follows_precision_changes_in_place():
+    """The per-precision grid is cached; changing the experts' precisions in place (as a
+    flip does) must re-time them, exactly as a fresh model would."""
+    lat = build_latency_model(AnalyticLatencyConfig(), MIXTRAL, H200)
+    ids = _ids(MIXTRAL, BF16)
+    tpe, sparse = _spread(MIXTRAL, 64), _two_active(MIXTRAL)
+    before = lat.moe_s(tpe, ids), lat.moe_s(sparse, ids)
+    ids[3, :4] = INT4
+    fresh = build_latency_model(AnalyticLatencyConfig(), MIXTRAL, H200)
+    for t in (tpe, sparse):
+        assert lat.moe_s(t, ids) == fresh.moe_s(t, ids)
+    assert lat.moe_s(tpe, ids) < before[0] and lat.moe_s(sparse, ids) < before[1]
+
+
 def test_quantize_and_h2d():
     lm = build_latency_model(None, MIXTRAL, H200)
     n, k = MIXTRAL.expert_ffn_size, MIXTRAL.hidden_size

@@ -64,3 +64,94 @@ def test_step_recorder_reads_the_pool():
     assert cols["kv_pages"][0] == pool.num_owned(OWNER_KV) == 2
     assert cols["weight_pages_int4"][0] == 3 and cols["free_pages"][0] == 5
     assert cols["kv_usage"][0] == pytest.approx(5 / (5 + 3 + 5 * 4))
+
+
+def test_step_recorder_keeps_rows_exact_across_blocks():
+    """Rows cross several float64 blocks; integer columns come back as int64, floats exact."""
+    pool = PagePool(64 * 4096, 4096)
+    rec = StepRecorder()
+    n = 2 * StepRecorder.CHUNK_ROWS + 7
+    for i in range(n):
+        rec.record(
+            start_s=i * 0.1, duration_s=0.1 + i * 1e-9, num_running=i % 300, num_waiting=3, num_prefill_tokens=i,
+            num_decodes=1, num_preempted=0, kv_blocks_used=0, kv_blocks_free=0, pool=pool,
+            bytes_downgraded=2**40 + i, quality_proxy=1 / (i + 3),
+        )  # fmt: skip
+    cols = rec.columns()
+    assert len(rec) == n and len(cols["step"]) == n
+    assert cols["step"].dtype == np.int64 and cols["bytes_downgraded"].dtype == np.int64
+    assert cols["start_s"].dtype == np.float64 and cols["quality_proxy"].dtype == np.float64
+    i = np.arange(n)
+    assert (cols["step"] == i).all() and (cols["bytes_downgraded"] == 2**40 + i).all()
+    assert (cols["duration_s"] == 0.1 + i * 1e-9).all() and (cols["quality_proxy"] == 1 / (i + 3)).all()
+    assert (cols["free_pages"] == 64).all()
+
+
+@pytest.mark.parametrize("window", [1, 10, StepRecorder.CHUNK_ROWS, StepRecorder.CHUNK_ROWS + 3])
+def test_step_recorder_window_keeps_the_newest_rows_across_blocks(window):
+    """A server's history window: only the newest ``window`` steps, numbered as recorded, and
+    whole blocks before the window are dropped as they fill (memory stays bounded)."""
+    pool = PagePool(64 * 4096, 4096)
+    rec = StepRecorder(max_rows=window)
+    n = 3 * StepRecorder.CHUNK_ROWS + 11
+    for i in range(n):
+        rec.record(
+            start_s=float(i), duration_s=1.0, num_running=i % 7, num_waiting=0, num_prefill_tokens=i,
+            num_decodes=0, num_preempted=0, kv_blocks_used=0, kv_blocks_free=0, pool=pool,
+        )  # fmt: skip
+        if i == 2 * StepRecorder.CHUNK_ROWS:
+            assert rec.columns()["step"][-1] == i  # reading mid-run does not disturb what follows
+        assert rec._num_held <= window + 2 * StepRecorder.CHUNK_ROWS  # a block before the window, one filling
+    cols = rec.columns()
+    assert rec.num_recorded == n and len(rec) == window
+    assert (cols["step"] == np.arange(n - window, n)).all()
+    assert (cols["num_prefill_tokens"] == np.arange(n - window, n)).all()
+
+
+def test_step_table_written_in_slices_is_the_whole_table(tmp_path):
+    import pandas as pd
+
+    from pagedweight.results.writer import _write_steps
+
+    pool = PagePool(64 * 4096, 4096)
+    rec = StepRecorder()
+    for i in range(50):
+        rec.record(
+            start_s=i / 3, duration_s=1 / 3, num_running=i, num_waiting=0, num_prefill_tokens=0, num_decodes=i,
+            num_preempted=0, kv_blocks_used=i, kv_blocks_free=100, pool=pool, quality_proxy=i / 7,
+        )  # fmt: skip
+    _write_steps(tmp_path / "sliced.csv", "p", rec.columns(), rows_per_write=7)
+    whole = pd.DataFrame(rec.columns())
+    whole.insert(0, "policy", "p")
+    whole.to_csv(tmp_path / "whole.csv", index=False)
+    assert (tmp_path / "sliced.csv").read_bytes() == (tmp_path / "whole.csv").read_bytes()
+    _write_steps(tmp_path / "empty.csv", "p", StepRecorder().columns())
+    assert (tmp_path / "empty.csv").read_text().strip() == ",".join(("policy", *StepRecorder.COLUMNS))
+
+
+def test_request_table_written_in_slices_is_the_whole_table(tmp_path):
+    import pandas as pd
+
+    from pagedweight.results.writer import _write_requests
+
+    reqs = [finished(i, i * 0.1, [i * 0.1 + 0.5, i * 0.1 + 0.75]) for i in range(9)]
+    for i in (2, 3, 4):  # a slice of only rejected requests: its float columns are all None
+        reqs[i] = Request(i, i * 0.1, 99, 1)
+        reqs[i].state, reqs[i].reject_reason = REJECTED, "too long"
+    _write_requests(tmp_path / "sliced.csv", "p", reqs, rows_per_write=3)
+    whole = pd.DataFrame(request_rows(reqs))
+    whole.insert(0, "policy", "p")
+    whole.to_csv(tmp_path / "whole.csv", index=False)
+    assert (tmp_path / "sliced.csv").read_bytes() == (tmp_path / "whole.csv").read_bytes()
+
+
+def test_summary_from_arrays_matches_the_request_rows():
+    reqs = [finished(i, i * 0.37, [i * 0.37 + 0.1 * k + 0.013 for k in range(1, 2 + i % 4)]) for i in range(20)]
+    s = summarize(reqs)
+    rows = request_rows(reqs)
+    ttft = np.array([r["ttft_ms"] for r in rows])
+    tpot = np.array([r["tpot_ms"] for r in rows])
+    assert s["mean_ttft_ms"] == float(ttft.mean()) and s["p99_ttft_ms"] == float(np.percentile(ttft, 99))
+    assert s["mean_tpot_ms"] == float(tpot[~np.isnan(tpot)].mean())
+    itl = np.concatenate([np.diff(np.asarray(r.token_times_s)) * 1e3 for r in reqs])
+    assert s["mean_itl_ms"] == float(itl.mean()) and s["std_itl_ms"] == float(itl.std())

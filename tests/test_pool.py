@@ -129,3 +129,14 @@ def test_random_use_keeps_every_invariant(num_pages, blocks_per_page, ops):
     for owner, pages in w_held:
         pool.free(pages, owner)
     assert pool.num_free == pool.num_pages  # no leak
+
+
+def test_alloc_list_takes_the_pages_alloc_would():
+    a, b = PagePool(64 * 4096, 4096), PagePool(64 * 4096, 4096)
+    for n in (1, 3, 4, 2, 9, 1):
+        assert a.alloc_list(OWNER_KV, n) == b.alloc(OWNER_KV, n).tolist()
+    a.check()
+    assert a.usage() == b.usage()
+    a.alloc_list(OWNER_KV, a.num_free - 2)
+    with pytest.raises(PoolExhausted):
+        a.alloc_list(OWNER_KV, 3)

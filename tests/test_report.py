@@ -227,3 +227,29 @@ def test_precision_timeline_by_hand():
         ["bf16", "int4", "int4", "int4", "int8"],
         ["bf16", "bf16", "bf16", "int8", "int8"],
     ]
+
+
+def test_step_table_is_read_compactly_with_the_same_values(tmp_path, monkeypatch):
+    """steps.csv is read in chunks into typed columns: the values pandas would read, less memory."""
+    import numpy as np
+    import pandas as pd
+
+    from pagedweight.results import report_data
+
+    rng = np.random.default_rng(0)
+    n = 1000
+    df = pd.DataFrame({"policy": np.repeat(["static-fp16", "pagedweight", "kv-swap"], [400, 350, 250])})
+    df["step"] = np.arange(n)
+    df["start_s"] = np.cumsum(rng.random(n))
+    df["kv_pages"] = rng.integers(0, 50_000, n)
+    df["bytes_upgraded"] = rng.integers(0, 2**40, n)
+    df["quality_proxy"] = rng.random(n)
+    df.to_csv(tmp_path / "steps.csv", index=False)
+    monkeypatch.setattr(report_data, "_CHUNK_ROWS", 128)
+    got = report_data._steps_csv(tmp_path / "steps.csv")
+    want = pd.read_csv(tmp_path / "steps.csv")
+    assert list(got.columns) == list(want.columns) and len(got) == n
+    assert got["policy"].astype(str).tolist() == want["policy"].tolist()
+    for c in want.columns[1:]:
+        assert np.array_equal(got[c].to_numpy(), want[c].to_numpy()), c
+    assert got["kv_pages"].dtype == np.int32 and got["policy"].dtype == "category"

@@ -120,3 +120,12 @@ def test_bad_frequencies_are_rejected():
         RoutingSampler(spec, np.zeros((32, 8)), "importance", 1.0, rng)
     with pytest.raises(ValueError, match="unknown"):
         RoutingSampler(spec, None, "round-robin", 1.0, rng)
+
+
+def test_per_batch_size_caches_do_not_change_a_draw():
+    """Samplers with and without the per-T caches draw the same counts from the same seed."""
+    cached, plain = _sampler("mixtral-8x7b", "zipf", seed=3), _sampler("mixtral-8x7b", "zipf", seed=3)
+    plain._max_cached_token_counts = 0
+    for t in [40, 39, 40, 700, 39, 5, 40, 8000, 700]:
+        assert np.array_equal(cached.sample(t), plain.sample(t))
+    assert 40 in cached._by_tokens and not plain._by_tokens

@@ -65,7 +65,7 @@ def test_every_controller_setting_reaches_the_controller():
     """Scenario controller knobs are handed over by name: none is silently dropped."""
     from dataclasses import asdict
 
-    from pagedweight.core.runtime import core_config
+    from pagedweight.config.run import core_config
 
     sets = ["controller.horizon_steps=7", "controller.low_watermark=0.03", "controller.high_watermark=0.2",
             "controller.copy_budget_bytes_per_s=123", "controller.max_in_flight=4096", "controller.min_dwell_s=0.5",

@@ -10,6 +10,7 @@ import simpy
 import yaml
 
 from pagedweight.config.scenario import load_scenario
+from pagedweight.policy.controller import DOWNGRADE, UPGRADE
 from pwsim.engine import UrgentTimeout
 from pwsim.run import run_scenario
 
@@ -53,8 +54,8 @@ def test_a_request_arriving_as_a_step_ends_joins_the_next_step(tmp_path):
         workload={"kind": "synthetic", "arrival": {"kind": "poisson", "rate_qps": 1.0},
                   "lengths": {"kind": "fixed", "prompt_tokens": 10, "output_tokens": 3}, "num_requests": 2},
     )  # fmt: skip
+    from pagedweight.config.run import core_config
     from pagedweight.config.scenario import importance_table
-    from pagedweight.core.runtime import core_config
     from pagedweight.workload.traces import RequestTrace
     from pwsim.engine import SimEngine
     from pwsim.latency import build_latency_model
@@ -110,8 +111,8 @@ def test_kv_swap_moves_kv_over_pcie_and_records_it(tmp_path):
 def test_quality_proxy_kept_incrementally_equals_a_full_recount():
     """The quality proxy is updated per flipped expert; after a run full of downgrades and
     upgrades it still equals the sum over every expert's current precision."""
+    from pagedweight.config.run import core_config
     from pagedweight.config.scenario import importance_table
-    from pagedweight.core.runtime import core_config
     from pagedweight.workload.build import build_workload
     from pwsim.engine import SimEngine
     from pwsim.latency import build_latency_model
@@ -123,9 +124,9 @@ def test_quality_proxy_kept_incrementally_equals_a_full_recount():
     lat = build_latency_model(sc.latency, loaded.model, loaded.gpu)
     eng = SimEngine(core_config(loaded), "pagedweight", trace, importance_table(loaded), lat, "uniform", seed=0)
     eng.run()
-    kinds = {t[5] for t in eng.core.transitions}
-    assert {"downgrade", "upgrade"} <= kinds, kinds
-    assert eng.core.quality_proxy == pytest.approx(eng.core._compute_quality(), rel=1e-9, abs=1e-12)
+    kinds = {t.kind for t in eng.core.transitions}
+    assert {DOWNGRADE, UPGRADE} <= kinds, kinds
+    assert eng.core.quality_proxy == pytest.approx(eng.core.quality_recount(), rel=1e-9, abs=1e-12)
 
 
 def test_deepseek_v3_fp8_scenario_walks_an_fp8_ladder(tmp_path):

@@ -152,6 +152,8 @@ def test_cli_local_process_pool(tmp_path, capsys):
     assert "ran 0 cells, skipped 2" in capsys.readouterr().out
     assert main(["sweep", str(path), "--out", str(out), "--address", "x:1"]) == 2
     assert "--address is for --executor ray" in capsys.readouterr().err
+    assert main(["sweep", str(path), "--out", str(out), "--jobs", "0"]) == 2  # --jobs as in pwsim run
+    assert "--workers(=0) must be >= 1" in capsys.readouterr().err
 
 
 def _free_port() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -97,7 +98,9 @@ def test_sharegpt_lengths():
 
 
 def test_generic_csv_unsorted_in_ms_and_jsonl():
-    t = load_generic(FIX / "generic.csv", "t_ms", "in", "out", time_unit="ms")
+    with pytest.raises(TraceError, match=r"generic.csv:3: column 't_ms': earlier than the row before it; .*sort: true"):
+        load_generic(FIX / "generic.csv", "t_ms", "in", "out", time_unit="ms")
+    t = load_generic(FIX / "generic.csv", "t_ms", "in", "out", time_unit="ms", sort=True)  # opted in
     assert t.arrival_s.tolist() == [0.0, 1.0, 2.5]
     assert t.prompt_tokens.tolist() == [20, 30, 10]  # sorted by time, lengths follow their rows
     assert t.notes == ["sorted by time (1 rows were out of order)"]
@@ -140,6 +143,74 @@ def test_malformed_rows_name_file_line_and_column(name, load, message):
     load = load or (lambda p: load_generic(p, "arrival", "prompt", "output"))
     with pytest.raises(TraceError, match=message):
         load(FIX / name)
+
+
+BURST_HEADER = "Timestamp,Model,Request tokens,Response tokens"
+
+
+def _generic(path, **kw):
+    return load_generic(path, "at", "in", "out", **kw)
+
+
+MOONCAKE_ROW = '{{"timestamp": {t}, "input_length": {p}, "output_length": 5}}\n'
+
+
+@pytest.mark.parametrize(
+    "t, p, message",
+    [
+        ("0", "1e30", r"line 3: column 'input_length': expected a whole number from 0 to 2,147,483,647 \(got 1e\+30\)"),
+        ("0", "true", r"line 3: column 'input_length': expected a number, not a boolean \(got True\)"),
+        ("0", "12.5", r"line 3: column 'input_length': expected a whole number"),
+        ("-5", "10", r"line 3: column 'timestamp': expected a time >= 0 \(got -5\)"),
+        ("NaN", "10", r"line 3: column 'timestamp': expected a number"),
+        ("Infinity", "10", r"line 3: column 'timestamp': expected a finite number"),
+        ("false", "10", r"line 3: column 'timestamp': expected a number, not a boolean"),
+        ("500", "10", r"line 3: column 'timestamp': earlier than the row before it; .* \(got 500\)"),
+    ],
+)
+def test_mooncake_values_that_are_refused(tmp_path, t, p, message):
+    path = tmp_path / "bad.jsonl"
+    rows = [MOONCAKE_ROW.format(t=0, p=10), MOONCAKE_ROW.format(t=1000, p=10), MOONCAKE_ROW.format(t=t, p=p)]
+    path.write_text("".join(rows) + MOONCAKE_ROW.format(t=1000, p=10))
+    with pytest.raises(TraceError, match=f"{path}:" + message.replace("line ", "")):
+        load_mooncake(path)
+
+
+@pytest.mark.parametrize(
+    "loader, header, rows, column",
+    [
+        (load_azure, "TIMESTAMP,ContextTokens,GeneratedTokens",
+         ["2023-11-16 18:15:46.0000000,10,5", "2023-11-16 18:15:45.0000000,10,5"], "TIMESTAMP"),
+        (load_burstgpt, BURST_HEADER, ["5,GPT-4,10,0", "7,GPT-4,10,5", "6,GPT-4,3,4"], "Timestamp"),
+        (lambda p, **kw: load_generic(p, "at", "in", "out", **kw), "at,in,out", ["1,10,5", "0.5,10,5"], "at"),
+    ],
+)  # fmt: skip
+def test_every_timed_loader_refuses_time_going_backwards_unless_asked_to_sort(tmp_path, loader, header, rows, column):
+    path = tmp_path / "t.csv"
+    path.write_text("\n".join([header, *rows]) + "\n")
+    with pytest.raises(TraceError, match=rf"t.csv:{len(rows) + 1}: column '{column}': earlier than the row before"):
+        loader(path)
+    t = loader(path, sort=True)
+    assert t.notes[-1] == "sorted by time (1 rows were out of order)" and np.all(np.diff(t.arrival_s) >= 0)
+
+
+@pytest.mark.parametrize(
+    "loader, text, message",
+    [
+        (load_azure, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,1e30,5\n",
+         r":2: column 'ContextTokens': expected a whole number from 0"),
+        (load_burstgpt, f"{BURST_HEADER}\n-1,GPT-4,10,5\n", r":2: column 'Timestamp': expected a time >= 0"),
+        (lambda p: load_lengths(p), "num_prefill_tokens,num_decode_tokens\n10,5\n99999999999999999999,5\n",
+         r":3: column 'num_prefill_tokens': expected a whole number from 0"),
+        (_generic, "at,in,out\n0,10,True\n", r":2: column 'out': expected a number, not a boolean"),
+        (_generic, "at,in,out\ninf,10,5\n", r":2: column 'at': expected a finite number"),
+    ],
+)  # fmt: skip
+def test_csv_values_that_are_refused(tmp_path, loader, text, message):
+    path = tmp_path / "t.csv"
+    path.write_text(text)
+    with pytest.raises(TraceError, match=f"t.csv{message}"):
+        loader(path)
 
 
 def test_missing_file_is_a_trace_error():
@@ -464,3 +535,27 @@ def test_shipped_traces_have_the_advertised_shape():
     assert chat["iat_cv"] == pytest.approx(1.09, abs=0.1) and chat["rate_qps"] == pytest.approx(5.53, rel=0.05)
     burst = trace_stats(load_mooncake(ROOT / "traces" / "burst.jsonl"))
     assert burst["iat_cv"] >= 4.0
+
+
+def test_pwsim_run_refuses_a_bad_trace_in_one_line_and_records_an_opted_in_sort(tmp_path, capsys):
+    from pwsim.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(
+        "name: s\nmodel: tiny-moe\ngpu: h200\nmemory: {budget: 40 MiB, page_bytes: 64 KiB, kv_block_tokens: 16}\n"
+        f"workload: {{kind: trace, path: {trace}, format: mooncake}}\npolicies: [static-fp16]\n"
+    )
+    trace.write_text(MOONCAKE_ROW.format(t=0, p=10) + MOONCAKE_ROW.format(t=5, p="1e30"))
+    assert main(["run", str(scenario), "--out", str(tmp_path / "a"), "--no-report", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{trace}:2: column 'input_length': expected a whole number" in err[0]
+
+    trace.write_text(MOONCAKE_ROW.format(t=900, p=10) + MOONCAKE_ROW.format(t=5, p=20))
+    assert main(["run", str(scenario), "--out", str(tmp_path / "b"), "--no-report", "--no-progress"]) == 2
+    assert f"{trace}:2: column 'timestamp': earlier than the row before it" in capsys.readouterr().err
+    sets = ["--set", "workload.sort=true"]
+    assert main(["run", str(scenario), "--out", str(tmp_path / "c"), "--no-report", "--no-progress", *sets]) == 0
+    assert "trace: sorted by time (1 rows were out of order)" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
+    assert "sorted by time (1 rows were out of order)" in summary["trace"]["notes"]

@@ -77,6 +77,13 @@ def test_a_wrong_simulation_is_caught(two_runs, tmp_path):
     assert main(["validate", "--real", str(real), "--sim", str(sim), "--out", str(deeper), "--no-bounds"]) == 0
     page = (deeper.parent / "validation_report.html").read_text()
     assert "Median step time by step shape" in page and "Simulated vs real" in page
+    # --out DIR: the files (and the report's images) inside DIR, new or existing; nothing beside it.
+    base = tmp_path / "base"
+    (base / "existing").mkdir(parents=True)
+    for folder in (base / "report_dir", base / "existing"):
+        assert main(["validate", "--real", str(real), "--sim", str(sim), "--out", str(folder), "--no-bounds"]) == 0
+        assert (folder / "validation.json").is_file() and (folder / "validation_report.html").is_file()
+    assert sorted(p.name for p in base.iterdir()) == ["existing", "report_dir"]
 
 
 def test_different_scenarios_are_refused(two_runs, tmp_path):

@@ -140,6 +140,20 @@ def test_models_are_frozen():
         ({"kind": "trace", "path": "a.csv", "format": "azure", "time_unit": "ms"}, "time_unit does not apply"),
         ({"kind": "trace", "path": "a.csv", "format": "azure", "burstgpt_model": "GPT-4"}, "burstgpt_model only"),
         (
+            {"kind": "trace", "path": "a.csv", "format": "azure", "sort": "yes"},
+            "s.yaml: workload.sort: Input should be a valid boolean",
+        ),
+        (
+            {
+                "kind": "trace",
+                "path": "s.csv",
+                "format": "sharegpt",
+                "sort": True,
+                "arrival": {"kind": "poisson", "rate_qps": 1},
+            },
+            "sort does not apply to format sharegpt",
+        ),
+        (
             {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_qps": 0}, "lengths": _FIXED, "num_requests": 5},
             "s.yaml: workload.arrival.rate_qps: Input should be greater than 0 (got 0)",
         ),

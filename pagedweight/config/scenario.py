@@ -29,8 +29,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from pagedweight.config.latency import AnalyticLatencyConfig, LatencyConfig, RoutingConfig
 from pagedweight.config.workload import WorkloadConfig
+from pagedweight.core.pool import DEFAULT_PAGE_BYTES
+from pagedweight.core.runtime import CoreConfig
+from pagedweight.core.scheduler import SchedulerConfig
 from pagedweight.core.spec import PRECISION_ID, PRECISIONS, ModelSpec, get_precision, ladder, load_gpu, load_model
 from pagedweight.errors import ConfigError, PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
+from pagedweight.policy.controller import ControllerSettings
 from pagedweight.policy.policies import POLICY_NAMES
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -73,8 +77,8 @@ class MemoryConfig(_Strict):
 
     budget: Bytes | None = None
     budget_fraction: float | None = Field(default=None, gt=0, le=1)
-    page_bytes: Bytes = 2 * 2**20
-    kv_block_tokens: int = Field(default=16, ge=1)
+    page_bytes: Bytes = DEFAULT_PAGE_BYTES
+    kv_block_tokens: int = Field(default=CoreConfig.kv_block_tokens, ge=1)
     precisions: tuple[str, ...] = ("bf16", "fp8", "int8", "int4")
 
     @field_validator("precisions")
@@ -95,8 +99,10 @@ class MemoryConfig(_Strict):
 
 
 class SchedulerSection(_Strict):
-    max_num_batched_tokens: int = Field(default=8192, ge=1)
-    max_num_seqs: int = Field(default=256, ge=1)
+    """Defaults: the scheduler's own (``pagedweight.core.scheduler.SchedulerConfig``)."""
+
+    max_num_batched_tokens: int = Field(default=SchedulerConfig.max_num_batched_tokens, ge=1)
+    max_num_seqs: int = Field(default=SchedulerConfig.max_num_seqs, ge=1)
     max_model_len: int | None = Field(default=None, ge=1)  # default: the model's context
 
 
@@ -131,19 +137,23 @@ MEASURED_IMPORTANCE_DIR = Path(__file__).resolve().parents[2] / "traces" / "impo
 ImportanceConfig = Annotated[MeasuredImportance | SyntheticImportance | FileImportance, Field(discriminator="kind")]
 
 
-class ControllerConfig(_Strict):
-    """Knobs of the run-time precision controller (``pagedweight.policy.controller``)."""
+_CTL = ControllerSettings
 
-    horizon_steps: int = Field(default=32, ge=1)  # KV forecast look-ahead
-    low_watermark: float = Field(default=0.02, ge=0, lt=1)  # free pool fraction kept for KV growth
-    high_watermark: float = Field(default=0.10, gt=0, lt=1)  # upgrades only while more is free
-    copy_budget_bytes_per_s: Bytes = 16 * 10**9  # host-to-device bytes/s the upgrades may use
-    max_in_flight: Bytes = 2 * 2**30  # bytes of upgrades in flight at once
-    min_dwell_s: float = Field(default=2.0, ge=0)  # an expert keeps a new precision at least this long
-    plan_interval_s: float = Field(default=0.05, ge=0)  # at most one (non-emergency) plan per interval
-    rescale_interval_s: float = Field(default=10.0, ge=0)  # routing-drift re-scaling of losses (0: off)
+
+class ControllerConfig(_Strict):
+    """Knobs of the run-time precision controller (``pagedweight.policy.controller``); the
+    defaults are ``ControllerSettings``'s and ``CoreConfig``'s."""
+
+    horizon_steps: int = Field(default=_CTL.horizon_steps, ge=1)  # KV forecast look-ahead
+    low_watermark: float = Field(default=_CTL.low_watermark, ge=0, lt=1)  # free pool fraction kept for KV growth
+    high_watermark: float = Field(default=_CTL.high_watermark, gt=0, lt=1)  # upgrades only while more is free
+    copy_budget_bytes_per_s: Bytes = _CTL.copy_budget_bytes_per_s  # host-to-device bytes/s the upgrades may use
+    max_in_flight: Bytes = _CTL.max_in_flight_bytes  # bytes of upgrades in flight at once
+    min_dwell_s: float = Field(default=_CTL.min_dwell_s, ge=0)  # an expert keeps a new precision at least this long
+    plan_interval_s: float = Field(default=_CTL.plan_interval_s, ge=0)  # at most one (non-emergency) plan per interval
+    rescale_interval_s: float = Field(default=_CTL.rescale_interval_s, ge=0)  # routing-drift re-scaling (0: off)
     # static-mixed: the fixed weight budget, as a fraction of every expert at the top precision.
-    static_mixed_fraction: float = Field(default=0.5, gt=0, le=1)
+    static_mixed_fraction: float = Field(default=CoreConfig.static_mixed_fraction, gt=0, le=1)
 
     @model_validator(mode="after")
     def _ordered(self) -> ControllerConfig:

@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, TypeAdapter, model_validator
 
 from pagedweight.errors import ConfigError
 
@@ -209,10 +209,15 @@ class TraceWorkload(_Frozen):
     spread: Literal["even", "random"] = "even"
     burstgpt_model: str | None = None
     drop_failed: bool = True
+    # A file whose timestamps go backwards is an error unless this opts in to replaying it
+    # sorted by time (the run's trace notes then say how many rows were out of order).
+    sort: StrictBool = False
 
     @model_validator(mode="after")
     def _format_options(self) -> TraceWorkload:
         fmt = self.format
+        if self.sort and fmt == "sharegpt":
+            raise ConfigError("sort does not apply to format sharegpt (its arrivals are generated in order)")
         if fmt == "generic" and self.columns is None:
             raise ConfigError("format generic needs columns: {arrival: NAME, prompt_tokens: NAME, output_tokens: NAME}")
         if fmt != "generic" and self.columns is not None:

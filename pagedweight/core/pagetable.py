@@ -28,16 +28,20 @@ class Transition:
     num_bytes: int  # bytes of the expert at the new precision
 
 
-def expert_pages_by_id(model: ModelSpec, page_bytes: int) -> np.ndarray:
-    """Pages one expert occupies at each precision id. The three matrices are paged separately
-    so that a kernel can address each through its own entries."""
+def matrix_pages_by_id(model: ModelSpec, page_bytes: int) -> np.ndarray:
+    """(precision ids, matrices) pages each matrix of one expert occupies, in the order of
+    ``model.expert_matrices`` (w1, w3, w2). The matrices are paged separately so that a kernel
+    can address each through its own entries."""
     return np.array(
-        [
-            sum(-(-PRECISIONS[name].matrix_bytes(n, k) // page_bytes) for _, n, k in model.expert_matrices)
-            for name in PRECISION_NAMES
-        ],
+        [[-(-PRECISIONS[name].matrix_bytes(n, k) // page_bytes) for _, n, k in model.expert_matrices]
+         for name in PRECISION_NAMES],
         dtype=np.int64,
-    )
+    )  # fmt: skip
+
+
+def expert_pages_by_id(model: ModelSpec, page_bytes: int) -> np.ndarray:
+    """Pages one expert occupies at each precision id (its matrices' pages summed)."""
+    return matrix_pages_by_id(model, page_bytes).sum(axis=1)
 
 
 class ExpertPageTable:
@@ -47,17 +51,24 @@ class ExpertPageTable:
             raise PoolError(f"initial precisions for {len(initial_ids)} experts; model has {model.num_experts_total}")
         self.pool = pool
         self.model = model
-        self.pages_by_id = expert_pages_by_id(model, pool.page_bytes)
+        self.matrix_pages_by_id = matrix_pages_by_id(model, pool.page_bytes)
+        self.pages_by_id = self.matrix_pages_by_id.sum(axis=1)
+        self._matrix_splits = np.cumsum(self.matrix_pages_by_id, axis=1)[:, :-1]
         self.bytes_by_id = np.array([model.expert_bytes(name) for name in PRECISION_NAMES], dtype=np.int64)
         self.precision_ids = initial_ids.copy()
         self.pages: list[np.ndarray] = []
         for pid in initial_ids.tolist():
             self.pages.append(pool.alloc(weight_owner(pid), int(self.pages_by_id[pid])))
         self.in_flight: dict[int, Transition] = {}
+        self.version = 0  # bumped by every flip: lets readers cache what depends on precision_ids
 
     @property
     def num_experts(self) -> int:
         return len(self.precision_ids)
+
+    def matrix_pages(self, precision_id: int, pages: np.ndarray) -> list[np.ndarray]:
+        """An expert's ``pages`` at ``precision_id`` split into its matrices' pages (w1, w3, w2)."""
+        return np.split(pages, self._matrix_splits[precision_id])
 
     def begin(self, expert: int, to_id: int) -> Transition:
         """Reserve the new pages of a change. Raises ``PoolExhausted`` if the pool is short."""
@@ -78,6 +89,7 @@ class ExpertPageTable:
         self.pool.transfer(t.pages, OWNER_TRANSITION, weight_owner(t.to_id))
         self.pages[expert] = t.pages
         self.precision_ids[expert] = t.to_id
+        self.version += 1
         return t
 
     def abort(self, expert: int) -> None:

@@ -58,8 +58,11 @@ class PagePool:
         self.num_pages = total_bytes // page_bytes
         self.total_bytes = self.num_pages * page_bytes
         self._owner_of = np.zeros(self.num_pages, dtype=np.int16)
-        self._count = np.zeros(NUM_OWNERS, dtype=np.int64)
+        # Pages per owner as Python ints: updated on every allocation of a step, where a numpy
+        # element update costs ~10x a list one. Weight pages are also kept as one total.
+        self._count = [0] * NUM_OWNERS
         self._count[OWNER_FREE] = self.num_pages
+        self._num_weight = 0
         # Free pages as a stack; the low page ids are handed out first (top of the stack).
         self._free_stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = self.num_pages
@@ -70,14 +73,18 @@ class PagePool:
         return self._num_free
 
     def num_owned(self, owner: int) -> int:
-        return int(self._count[owner])
+        return self._count[owner]
 
     def num_weight_pages(self) -> int:
-        return int(self._count[_WEIGHT_BASE:].sum())
+        return self._num_weight
+
+    def counts(self) -> list[int]:
+        """Pages per owner code (index = owner); the pool's own list: read, never change it."""
+        return self._count
 
     def usage(self) -> dict[str, int]:
         """Pages per owner name, free included; sums to ``num_pages``."""
-        return {owner_name(o): int(c) for o, c in enumerate(self._count) if c or o <= OWNER_TRANSITION}
+        return {owner_name(o): c for o, c in enumerate(self._count) if c or o <= OWNER_TRANSITION}
 
     def pages_for_bytes(self, num_bytes: int) -> int:
         return math.ceil(num_bytes / self.page_bytes)
@@ -102,6 +109,29 @@ class PagePool:
         self._owner_of[pages] = owner
         self._count[owner] += num_pages
         self._count[OWNER_FREE] -= num_pages
+        if owner >= _WEIGHT_BASE:
+            self._num_weight += num_pages
+        return pages
+
+    def alloc_list(self, owner: int, num_pages: int) -> list[int]:
+        """``alloc`` for a few pages as a list of ints (the same pages): the KV allocator's path,
+        taken for about one decode in 16 every step, where numpy's per-call costs dominate."""
+        if num_pages > 4 or owner == OWNER_FREE or not 0 < owner < NUM_OWNERS or num_pages < 0:
+            return self.alloc(owner, num_pages).tolist()
+        if num_pages > self._num_free:
+            raise PoolExhausted(
+                f"{owner_name(owner)} asked for {num_pages} pages; only {self._num_free} of {self.num_pages} free"
+            )
+        start = self._num_free - num_pages
+        pages = self._free_stack[start : self._num_free].tolist()[::-1]
+        self._num_free = start
+        owner_of = self._owner_of
+        for page in pages:
+            owner_of[page] = owner
+        self._count[owner] += num_pages
+        self._count[OWNER_FREE] -= num_pages
+        if owner >= _WEIGHT_BASE:
+            self._num_weight += num_pages
         return pages
 
     def free(self, pages: np.ndarray | list[int], owner: int) -> None:
@@ -114,6 +144,8 @@ class PagePool:
         self._num_free += n
         self._count[owner] -= n
         self._count[OWNER_FREE] += n
+        if owner >= _WEIGHT_BASE:
+            self._num_weight -= n
 
     def transfer(self, pages: np.ndarray | list[int], from_owner: int, to_owner: int) -> None:
         """Hand pages from one owner to another without freeing them (e.g. a completed
@@ -121,9 +153,11 @@ class PagePool:
         if to_owner == OWNER_FREE:
             raise PoolError("use free() to release pages")
         pages = self._checked(pages, from_owner)
+        n = len(pages)
         self._owner_of[pages] = to_owner
-        self._count[from_owner] -= len(pages)
-        self._count[to_owner] += len(pages)
+        self._count[from_owner] -= n
+        self._count[to_owner] += n
+        self._num_weight += n * ((to_owner >= _WEIGHT_BASE) - (from_owner >= _WEIGHT_BASE))
 
     def _checked(self, pages: np.ndarray | list[int], owner: int) -> np.ndarray:
         pages = np.asarray(pages, dtype=np.int64)
@@ -149,12 +183,12 @@ class PagePool:
         """Raise ``PoolError`` if any invariant is broken: counts match the owner array, the
         free stack holds exactly the free pages, and nothing is over budget."""
         counts = np.bincount(self._owner_of, minlength=NUM_OWNERS)
-        if not np.array_equal(counts, self._count):
-            raise PoolError(f"owner counts {self._count.tolist()} disagree with pages {counts.tolist()}")
+        if not np.array_equal(counts, self._count) or self._num_weight != int(counts[_WEIGHT_BASE:].sum()):
+            raise PoolError(f"owner counts {self._count} disagree with pages {counts.tolist()}")
         free = self._free_stack[: self._num_free]
         if len(np.unique(free)) != self._num_free or (self._owner_of[free] != OWNER_FREE).any():
             raise PoolError("free stack does not hold exactly the free pages")
-        if self._num_free != counts[OWNER_FREE] or self._count.sum() != self.num_pages:
+        if self._num_free != counts[OWNER_FREE] or sum(self._count) != self.num_pages:
             raise PoolError("pages were created or lost")
 
 
@@ -200,10 +234,12 @@ class KvBlockAllocator:
         if num_blocks > self.num_free_blocks:
             raise PoolExhausted(f"asked for {num_blocks} KV blocks; {self.num_free_blocks} free")
         if self.blocks_per_page == 1:  # one block per page (e.g. Mixtral: 16 x 128 KiB = 2 MiB)
-            pages = self.pool.alloc(OWNER_KV, num_blocks)
-            self._used_in_page[pages] = 1
+            pages = self.pool.alloc_list(OWNER_KV, num_blocks)
+            used = self._used_in_page
+            for page in pages:
+                used[page] = 1
             self.num_used_blocks += num_blocks
-            return pages.tolist()
+            return pages
         out: list[int] = []
         while len(out) < num_blocks and self._free_slots:
             page, slots = next(iter(self._free_slots.items()))

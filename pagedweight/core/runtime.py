@@ -1,34 +1,60 @@
-"""What both runtimes hold for one policy: pool, page table, KV allocator, scheduler and
-controller, built the same way, plus the code that applies precision changes and records steps.
+"""What both runtimes hold and do for one policy: pool, page table, KV allocator, scheduler and
+controller, built the same way, and the step loop that drives them, written once.
 
-A runtime supplies only a clock and a ``TransitionBackend`` that does the physical part of a
-precision change: ``pwsim``'s backend adds quantise time to the step and queues upgrades on
-its simulated copy engine; ``pwgpu``'s quantises on the device and copies from the host master
-on a side stream. Everything else, including the order of operations within a change
-(reserve new pages, fill them, flip, free the old), lives here once.
+One step (``RuntimeCore.step``)::
+
+    backend.poll()                      upgrades whose copy has landed flip
+    controller.plan_step(now)           precision changes: downgrades now, upgrades under budget
+    scheduler.schedule(now)             the batch; KV pressure first downgrades (controller.on_pressure),
+                                        then preempts
+    execute(step)                       the runtime: pwsim times the step from its latency model and
+                                        samples routing; pwgpu runs the forward pass, counts the
+                                        router's choices and samples tokens. Either reports the
+    step.observe_routing(counts)        tokens per expert to the controller's drift tracker
+    (the step's time passes)            pwsim: a SimPy timeout; pwgpu: it already has
+    scheduler.finish_step(now)          tokens appended, finished requests released
+    record_step                         one row of steps.csv
+
+A runtime supplies only a clock, its ``execute`` and a ``TransitionBackend``, the physical part
+of a precision change: ``pwsim``'s backend queues upgrades on its simulated copy engine (a
+downgrade's quantise time is charged to the step that made it, in its ``execute``); ``pwgpu``'s
+quantises on the device and copies from the host master on a side stream. Everything else, including the order of
+operations within a change (reserve new pages, fill them, flip, free the old) and the stall
+check, lives here once.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 
 from pagedweight.core.pagetable import ExpertPageTable, Transition, expert_pages_by_id
 from pagedweight.core.pool import OWNER_PINNED, KvBlockAllocator, PagePool
-from pagedweight.core.scheduler import Batch, Scheduler, SchedulerConfig
+from pagedweight.core.scheduler import Batch, Request, Scheduler, SchedulerConfig
 from pagedweight.core.spec import PRECISION_ID, PRECISION_NAMES, ModelSpec
 from pagedweight.core.step import StepShape
-from pagedweight.errors import PoolExhausted
-from pagedweight.policy.controller import ABORT, DOWNGRADE, Change, Controller, ControllerSettings
+from pagedweight.errors import ConfigError, PagedWeightError, PoolExhausted
+from pagedweight.policy.controller import (
+    ABORT,
+    DOWNGRADE,
+    UPGRADE,
+    Change,
+    ChangeKind,
+    Controller,
+    ControllerSettings,
+)
 from pagedweight.policy.importance import ImportanceTable
 from pagedweight.policy.policies import DYNAMIC_POLICIES, setup_policy
 from pagedweight.results.metrics import StepRecorder
 
 TRANSITION_COLUMNS = ("time_s", "expert", "layer", "from_precision", "to_precision", "kind", "bytes")
+# Pages of at least 32 KiB when a runtime derives the page size: small enough that a tiny
+# model's expert matrices span several pages (so a downgrade frees some), large enough for a KV block.
+MIN_DERIVED_PAGE_BYTES = 1 << 15
 
 
 class TransitionBackend(Protocol):
@@ -36,26 +62,132 @@ class TransitionBackend(Protocol):
         """Fill ``t.pages`` with expert ``t.expert`` at ``t.to_id`` before the flip (synchronous)."""
 
     def start_upgrade(self, t: Transition) -> None:
-        """Start filling ``t.pages`` from the host master; call ``RuntimeCore.complete_upgrade``
-        when the bytes have landed."""
+        """Start filling ``t.pages`` from the host master; ``RuntimeCore.complete_upgrade`` flips
+        it once the bytes have landed (from ``poll``, or when the runtime's copy engine says so)."""
 
     def abort_upgrade(self, t: Transition) -> None:
         """Stop an upgrade; its pages are released right after."""
 
+    def poll(self) -> None:
+        """Complete every upgrade whose copy has landed; called at the start of each step."""
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)
+class TransitionRecord:
+    """One row of transitions.csv: a precision change that happened (``kind`` ABORT: an upgrade
+    abandoned, which changed nothing)."""
+
+    time_s: float
+    expert: int  # flat index: moe_layer * num_experts + expert
+    layer: int  # MoE layer
+    from_precision: str
+    to_precision: str
+    kind: ChangeKind
+    num_bytes: int  # bytes of the expert at ``to_precision`` (0 for ABORT)
+
+    def row(self) -> tuple:
+        """The values in ``TRANSITION_COLUMNS`` order."""
+        return (
+            self.time_s,
+            self.expert,
+            self.layer,
+            self.from_precision,
+            self.to_precision,
+            self.kind.value,
+            self.num_bytes,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class CoreConfig:
-    """Everything ``RuntimeCore`` needs, independent of where it came from (scenario or CLI)."""
+    """Everything ``RuntimeCore`` needs besides the policy and the importance table, whoever
+    says it: a scenario (``pagedweight.config.run.core_config``) or a command line. Each
+    setting's default lives here (or in ``SchedulerConfig`` / ``ControllerSettings``) and
+    nowhere else. ``None`` means derived from the model by ``for_model``."""
 
-    model: ModelSpec
-    budget_bytes: int
-    page_bytes: int
-    kv_block_tokens: int
-    scheduler: SchedulerConfig
+    budget_bytes: int  # the whole pool: pinned weights, routed experts and KV blocks
+    model: ModelSpec | None = None  # None: the runtime's own (the engine: its checkpoint's)
+    page_bytes: int | None = None  # None: the smallest power of two >= 32 KiB holding one KV block
+    kv_block_tokens: int = 16
+    scheduler: SchedulerConfig = SchedulerConfig()  # max_model_len None: the model's context
     controller: ControllerSettings = ControllerSettings()
+    # static-mixed: its fixed weight budget, as a fraction of every expert at the top precision.
     static_mixed_fraction: float = 0.5
     # Keep only the newest this many steps and transitions (a server runs for days); None: all.
     history_window: int | None = None
+
+    def for_model(self, model: ModelSpec) -> CoreConfig:
+        """This configuration for ``model`` with every derived value filled in. If the
+        configuration names a model (a scenario's), ``model`` must have its shape: both
+        runtimes must count the same bytes."""
+        if self.model is not None:
+            _check_same_shape(self.model, model)
+        page_bytes = self.page_bytes
+        if page_bytes is None:
+            block_bytes = self.kv_block_tokens * model.kv_bytes_per_token()
+            page_bytes = max(MIN_DERIVED_PAGE_BYTES, 1 << (block_bytes - 1).bit_length())
+        context = model.max_context_tokens
+        max_len = min(self.scheduler.max_model_len or context, context)
+        return replace(
+            self, model=model, page_bytes=page_bytes, scheduler=replace(self.scheduler, max_model_len=max_len)
+        )
+
+
+def _check_same_shape(want: ModelSpec, got: ModelSpec) -> None:
+    """What the pool, page table, scheduler and controller see of a model must agree."""
+    facts = {
+        "MoE layers": lambda m: m.num_moe_layers,
+        "experts per layer": lambda m: m.num_experts,
+        "top_k": lambda m: m.top_k,
+        "expert matrices": lambda m: m.expert_matrices,
+        "pinned bytes": lambda m: m.pinned_bytes(),
+        "KV bytes per token": lambda m: m.kv_bytes_per_token(),
+    }
+    for what, fact in facts.items():
+        if fact(want) != fact(got):
+            hint = (
+                f" ({want.name} counts {want.dtype_bytes}-byte weights and KV; this one {got.dtype_bytes})"
+                if want.dtype_bytes != got.dtype_bytes
+                else ""
+            )
+            raise ConfigError(
+                f"model {got.name} ({got.source}) does not match the configured {want.name}: "
+                f"{what} {fact(got)} vs {fact(want)}{hint}"
+            )
+
+
+@dataclass(slots=True, eq=False)
+class Step:
+    """One step as the core planned it. The runtime's ``execute`` reports the step's routing
+    through ``observe_routing``; ``RuntimeCore.on_step`` sees the step once it is recorded."""
+
+    core: RuntimeCore = field(repr=False)
+    index: int  # its step_index in steps.csv (counted beyond a history window too)
+    start_s: float
+    batch: Batch
+    shape: StepShape
+    changes: list[Change]  # precision changes applied while planning and scheduling it
+    routing: np.ndarray | None = None  # (MoE layers, experts) tokens routed to each expert
+
+    def observe_routing(self, tokens_per_expert: np.ndarray) -> None:
+        """Report the tokens each expert received in this step, (MoE layers, experts): the
+        simulator's sampled counts, the engine's real ones. The controller's drift tracker sees
+        them; every step must report them, once."""
+        if self.routing is not None:
+            raise PagedWeightError(f"step {self.index}: routing reported twice")
+        self.routing = tokens_per_expert
+        self.core.observe_routing(tokens_per_expert)
+
+
+@dataclass(slots=True)
+class Executed:
+    """What a runtime's ``execute`` says about the step it ran, besides its routing."""
+
+    duration_s: float | None = None  # None: measured on the runtime's clock, start to finish
+    bytes_swapped: int = 0  # KV bytes moved between host and device (the kv-swap policy)
+    # What the runtime waits on before the step finishes (pwsim: the SimPy timeout of its
+    # duration); None when ``execute`` has already spent the step's time (pwgpu).
+    wait: object = field(default=None)
 
 
 def quality_matrix(table: ImportanceTable) -> np.ndarray:
@@ -79,6 +211,9 @@ class RuntimeCore:
         backend: TransitionBackend,
         clock: Callable[[], float],
     ):
+        if cfg.model is None:
+            raise ConfigError("RuntimeCore needs a CoreConfig with its model (CoreConfig.for_model)")
+        self.config = cfg = cfg.for_model(cfg.model)
         model = cfg.model
         self.model, self.policy, self.backend, self.clock = model, policy, backend, clock
         self.pool = pool = PagePool(cfg.budget_bytes, cfg.page_bytes)
@@ -110,12 +245,85 @@ class RuntimeCore:
             )
             self.scheduler.pressure_hook = self._on_pressure
         self._quality = quality_matrix(table)
-        self.quality_proxy = self._compute_quality()
+        self.quality_proxy = self.quality_recount()
         self.precision_grid = self.page_table.precision_ids.reshape(model.num_moe_layers, model.num_experts)
-        self.steps = StepRecorder(max_rows=cfg.history_window)
-        self.transitions: list[tuple] | deque[tuple] = deque(maxlen=cfg.history_window) if cfg.history_window else []
-        self.num_transitions = {"downgrade": 0, "upgrade": 0, "abort": 0}  # all of them, beyond the window
+        # With a history window (a server runs for days) only the newest steps and transitions
+        # are kept; the counts cover them all.
+        window = cfg.history_window
+        self.steps = StepRecorder(max_rows=window)
+        self.transitions: list[TransitionRecord] | deque[TransitionRecord] = deque(maxlen=window) if window else []
+        self.num_transitions = dict.fromkeys(ChangeKind, 0)  # every change, beyond the window too
+        # Called with every step once it is recorded (tests compare runtimes step by step).
+        self.on_step: Callable[[Step], None] | None = None
         self._counters = [0, 0, 0, 0]  # downgrades, upgrades, bytes down, bytes up since the last step
+        self._step_changes: list[Change] | None = None  # the changes of the step being planned
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add(self, req: Request) -> bool:
+        """Queue an arriving request. One that can never run is rejected and finishes now."""
+        if self.scheduler.add(req):
+            return True
+        req.finish_s = self.clock()
+        return False
+
+    # ---- the step loop ----------------------------------------------------------------------
+    def step(self, execute: Callable[[Step], Executed]) -> Generator[object, None, Step | None]:
+        """One step (the sequence in the module docstring). Returns the step, or None when
+        nothing could be computed (see ``check_stall``).
+
+        A generator, so that a runtime on simulated time can let the step's time pass between
+        ``execute`` and finishing: it yields ``Executed.wait`` when that is set (``pwsim``
+        writes ``yield from core.step(...)`` in its SimPy process). A runtime whose ``execute``
+        spends real time calls ``run_step`` instead."""
+        self.backend.poll()
+        start_s = self.clock()
+        self._step_changes = changes = []
+        self.plan_step()
+        batch = self.scheduler.schedule(start_s)
+        self._step_changes = None
+        if not batch.requests:
+            return None
+        step = Step(self, self.steps.num_recorded, start_s, batch, batch.shape(), changes)
+        executed = execute(step)
+        if step.routing is None:
+            raise PagedWeightError(f"{self.policy}: step {step.index} ran without reporting its routing")
+        if executed.wait is not None:
+            yield executed.wait
+        end_s = self.clock()
+        duration_s = end_s - start_s if executed.duration_s is None else executed.duration_s
+        self.scheduler.finish_step(batch, end_s)
+        self.record_step(start_s, duration_s, batch, step.shape, executed.bytes_swapped)
+        if self.on_step is not None:
+            self.on_step(step)
+        return step
+
+    def run_step(self, execute: Callable[[Step], Executed]) -> Step | None:
+        """``step`` for a runtime whose ``execute`` has spent the step's time (nothing to wait on)."""
+        gen = self.step(execute)
+        try:
+            waited = next(gen)
+        except StopIteration as done:
+            return done.value
+        gen.close()
+        raise PagedWeightError(f"run_step: execute asked to wait on {waited!r}; drive core.step instead")
+
+    def check_stall(self, requests_coming: bool) -> None:
+        """After a step that computed nothing: raise if no step can ever run again, i.e. requests
+        wait, none runs (whose end would free KV), no upgrade is in flight (whose abort or flip
+        changes memory) and no request is still to come."""
+        sched = self.scheduler
+        if requests_coming or sched.running or self.page_table.in_flight or not sched.waiting:
+            return
+        raise PagedWeightError(
+            f"{self.policy}: stalled at t={self.clock():.3f}s with {len(sched.waiting)} requests waiting "
+            "and no memory coming free"
+        )
+
+    def idle_tick(self) -> None:
+        """What a runtime with nothing to compute may still do: flip landed upgrades and let the
+        controller restore precision now that KV has room (no step is recorded)."""
+        self.backend.poll()
+        self.plan_step()
 
     # ---- precision changes --------------------------------------------------------------------
     def _on_pressure(self, blocks_short: int) -> None:
@@ -131,28 +339,32 @@ class RuntimeCore:
             self.controller.observe_routing(tokens_per_expert)
 
     def apply(self, changes: list[Change]) -> None:
-        pt = self.page_table
+        pt, applied = self.page_table, self._step_changes
         for c in changes:
-            if c.kind == ABORT:
+            if c.kind is ABORT:
                 t = pt.in_flight.get(c.expert)
                 if t is not None:
                     self.backend.abort_upgrade(t)
                     pt.abort(c.expert)
-                    self._log(t, "abort", 0)
+                    self._log(t, ABORT, 0)
+                    if applied is not None:
+                        applied.append(c)
                 continue
             try:
                 t = pt.begin(c.expert, c.to_id)
             except PoolExhausted:
                 continue  # no room this step; the controller plans again next step
-            if c.kind == DOWNGRADE:
+            if c.kind is DOWNGRADE:
                 self.backend.downgrade(t)
                 pt.commit(c.expert)
                 self._flipped(t)
-                self._log(t, "downgrade", t.num_bytes)
+                self._log(t, DOWNGRADE, t.num_bytes)
                 self._counters[0] += 1
                 self._counters[2] += t.num_bytes
             else:
                 self.backend.start_upgrade(t)
+            if applied is not None:
+                applied.append(c)
 
     def complete_upgrade(self, t: Transition) -> bool:
         """The copy of ``t`` has landed: flip, unless it was aborted meanwhile."""
@@ -160,7 +372,7 @@ class RuntimeCore:
             return False
         self.page_table.commit(t.expert)
         self._flipped(t)
-        self._log(t, "upgrade", t.num_bytes)
+        self._log(t, UPGRADE, t.num_bytes)
         self._counters[1] += 1
         self._counters[3] += t.num_bytes
         return True
@@ -170,15 +382,23 @@ class RuntimeCore:
         # expert after each upgrade cost 8% of a 6,144-expert run).
         self.quality_proxy += float(self._quality[t.expert, t.to_id] - self._quality[t.expert, t.from_id])
 
-    def _log(self, t: Transition, kind: str, num_bytes: int) -> None:
+    def _log(self, t: Transition, kind: ChangeKind, num_bytes: int) -> None:
         e = t.expert
-        layer = e // self.model.num_experts
         self.num_transitions[kind] += 1
         self.transitions.append(
-            (self.clock(), e, layer, PRECISION_NAMES[t.from_id], PRECISION_NAMES[t.to_id], kind, num_bytes)
+            TransitionRecord(
+                self.clock(),
+                e,
+                e // self.model.num_experts,
+                PRECISION_NAMES[t.from_id],
+                PRECISION_NAMES[t.to_id],
+                kind,
+                num_bytes,
+            )
         )
 
-    def _compute_quality(self) -> float:
+    def quality_recount(self) -> float:
+        """The quality proxy summed afresh over every expert's current precision."""
         pt = self.page_table
         return float(self._quality[np.arange(pt.num_experts), pt.precision_ids].sum())
 
@@ -208,21 +428,3 @@ class RuntimeCore:
             quality_proxy=self.quality_proxy,
         )
         self._counters = [0, 0, 0, 0]
-
-
-def core_config(loaded) -> CoreConfig:
-    """A ``CoreConfig`` from a ``LoadedScenario``."""
-    sc = loaded.scenario
-    c = sc.controller
-    return CoreConfig(
-        model=loaded.model,
-        budget_bytes=loaded.budget_bytes,
-        page_bytes=sc.memory.page_bytes,
-        kv_block_tokens=sc.memory.kv_block_tokens,
-        scheduler=SchedulerConfig(sc.scheduler.max_num_batched_tokens, sc.scheduler.max_num_seqs, loaded.max_model_len),
-        # By name, so that every controller setting of the scenario reaches the controller.
-        controller=ControllerSettings(
-            **c.model_dump(exclude={"static_mixed_fraction", "max_in_flight"}), max_in_flight_bytes=c.max_in_flight
-        ),
-        static_mixed_fraction=c.static_mixed_fraction,
-    )

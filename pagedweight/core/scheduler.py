@@ -22,6 +22,8 @@ from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
+from itertools import islice
 
 import numpy as np
 
@@ -29,14 +31,31 @@ from pagedweight.core.pool import KvBlockAllocator
 from pagedweight.core.step import StepShape
 from pagedweight.errors import ConfigError
 
-WAITING, RUNNING, FINISHED, REJECTED = "waiting", "running", "finished", "rejected"
+
+class RequestState(Enum):
+    """Where a request is in its lifecycle; ``value`` is the name written to requests.csv."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    REJECTED = "rejected"  # refused on arrival, or aborted
+
+
+WAITING, RUNNING, FINISHED, REJECTED = (
+    RequestState.WAITING,
+    RequestState.RUNNING,
+    RequestState.FINISHED,
+    RequestState.REJECTED,
+)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
-    max_model_len: int = 32768  # prompt + output tokens of one request
+    # Prompt + output tokens of one request; None: no limit of its own (RuntimeCore sets the
+    # model's context when the configuration leaves it open).
+    max_model_len: int | None = None
     # recompute: a preempted request's KV is dropped and recomputed on resume (vLLM's default).
     # swap: its KV is copied to host memory and back (the ``kv-swap`` policy); the runtime
     # times the copies from ``Batch.swapped_out_tokens`` / ``swapped_in_tokens``.
@@ -44,7 +63,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name}(={getattr(self, name)}) must be > 0")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ConfigError(f"preemption_mode(={self.preemption_mode!r}) must be 'recompute' or 'swap'")
@@ -78,7 +97,7 @@ class Request:
         self.arrival_s = arrival_s
         self.prompt_tokens = prompt_tokens
         self.max_output_tokens = max_output_tokens
-        self.state = WAITING
+        self.state: RequestState = WAITING
         self.num_computed_tokens = 0
         self.num_output_tokens = 0
         self.block_ids: list[int] = []
@@ -98,7 +117,7 @@ class Request:
 
     def __repr__(self) -> str:
         return (
-            f"Request({self.request_id}, {self.state}, prompt={self.prompt_tokens}, "
+            f"Request({self.request_id}, {self.state.value}, prompt={self.prompt_tokens}, "
             f"out={self.num_output_tokens}/{self.max_output_tokens}, computed={self.num_computed_tokens})"
         )
 
@@ -130,9 +149,12 @@ class Batch:
             np.array(self.prefill_tokens, dtype=np.int64),
             np.array(self.prefill_kv_lens, dtype=np.int64),
             np.array(self.decode_kv_lens, dtype=np.int64),
+            sum(self.prefill_tokens),  # Python sums of the lists: cheaper than numpy's here
+            sum(self.decode_kv_lens),
         )
 
-    def _add(self, req: Request, num_new: int, remaining: int) -> None:
+    def add(self, req: Request, num_new: int, remaining: int) -> None:
+        """Append ``num_new`` tokens of ``req``; ``remaining`` tokens of it were left to compute."""
         self.requests.append(req)
         self.num_new_tokens.append(num_new)
         if remaining == 1:
@@ -172,7 +194,7 @@ class Scheduler:
         total = req.prompt_tokens + req.max_output_tokens
         if req.prompt_tokens < 1 or req.max_output_tokens < 1:
             req.reject_reason = "prompt and output must each be at least 1 token"
-        elif total > self.config.max_model_len:
+        elif self.config.max_model_len is not None and total > self.config.max_model_len:
             req.reject_reason = (
                 f"prompt + output = {total} tokens exceeds the context limit of {self.config.max_model_len}"
             )
@@ -197,9 +219,11 @@ class Scheduler:
         need = -(-(req.num_computed_tokens + num_new) // kv.block_tokens) - len(req.block_ids)
         if need <= 0:
             return True
-        if need > kv.num_free_blocks and self.pressure_hook is not None:
-            self.pressure_hook(need - kv.num_free_blocks)
-        if need > kv.num_free_blocks:
+        free = kv.num_free_blocks
+        if need > free and self.pressure_hook is not None:
+            self.pressure_hook(need - free)
+            free = kv.num_free_blocks
+        if need > free:
             return False
         req.block_ids.extend(kv.allocate(need))
         return True
@@ -227,13 +251,20 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         running, block_tokens = self.running, self.kv.block_tokens
         out_reqs, out_tokens, dec_kv = batch.requests, batch.num_new_tokens, batch.decode_kv_lens
-        i = 0
-        # The hot loop of both runtimes (~1 us per running request): most decodes still have
-        # room in their last block, so the block check is inlined before calling _reserve.
-        while i < len(running) and budget > 0:
-            req = running[i]
+        # The hot loop of both runtimes (~0.3 us per running request): most requests decode
+        # with room left in their last block, so that case comes first and calls nothing.
+        # Victims of a preemption are popped from the end, which the iteration has not reached.
+        for req in running:
             computed = req.num_computed_tokens
             remaining = req.prompt_tokens + req.num_output_tokens - computed
+            if remaining == 1 and computed < len(req.block_ids) * block_tokens:
+                out_reqs.append(req)
+                out_tokens.append(1)
+                dec_kv.append(computed + 1)
+                budget -= 1
+                if budget <= 0:
+                    break
+                continue
             num_new = remaining if remaining <= budget else budget
             if computed + num_new > len(req.block_ids) * block_tokens:
                 preempted_self = False
@@ -245,15 +276,16 @@ class Scheduler:
                         break
                 if preempted_self:
                     break  # nothing older is left to preempt
-            if remaining == 1:  # a decode: the common case, inlined
+            if remaining == 1:
                 out_reqs.append(req)
                 out_tokens.append(1)
                 dec_kv.append(computed + 1)
             else:
-                batch._add(req, num_new, remaining)
+                batch.add(req, num_new, remaining)
             budget -= num_new
-            i += 1
-        # Victims are taken from the end of ``running``, beyond ``i``, so none of them is in
+            if budget <= 0:
+                break
+        # Victims are taken from the end of ``running``, beyond the loop, so none of them is in
         # the batch already. As in vLLM, a step that had to preempt admits nobody new.
         if batch.preempted:
             return batch
@@ -274,7 +306,7 @@ class Scheduler:
             if req.first_scheduled_s is None:
                 req.first_scheduled_s = now_s
             self.running.append(req)
-            batch._add(req, num_new, req.num_tokens - resume_at)
+            batch.add(req, num_new, req.num_tokens - resume_at)
             budget -= num_new
         return batch
 
@@ -299,14 +331,14 @@ class Scheduler:
                 req.block_ids = []
                 finished.append(req)
         if finished:
-            self.running = [r for r in self.running if r.state == RUNNING]
+            self.running = [r for r in self.running if r.state is RUNNING]
         return finished
 
     def abort(self, req: Request, end_s: float, reason: str) -> None:
         """Drop a request (e.g. its client went away), freeing its KV at once."""
-        if req.state == RUNNING:
+        if req.state is RUNNING:
             self.running.remove(req)
-        elif req.state == WAITING:
+        elif req.state is WAITING:
             self.waiting.remove(req)
         self.kv.free(req.block_ids)
         req.block_ids = []
@@ -327,9 +359,7 @@ class Scheduler:
             if extra > 0:
                 need += extra
         room = self.config.max_num_seqs - len(self.running)
-        for req in self.waiting:
-            if room <= 0:
-                break
-            need += -(-(req.num_tokens + horizon_steps) // bt)
-            room -= 1
+        if room > 0:
+            for req in islice(self.waiting, room):
+                need += -(-(req.prompt_tokens + req.num_output_tokens + horizon_steps) // bt)
         return need

@@ -14,7 +14,7 @@ every SLO that is set.
 
 from __future__ import annotations
 
-from collections import deque
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +31,7 @@ from pagedweight.core.pool import (
 from pagedweight.core.scheduler import FINISHED, REJECTED, Request
 from pagedweight.core.spec import PRECISION_NAMES
 
+_WEIGHT_OWNERS = slice(weight_owner(0), NUM_OWNERS)
 PERCENTILES = (("median", 50.0), ("p90", 90.0), ("p99", 99.0))
 
 REQUEST_COLUMNS = (
@@ -69,13 +70,13 @@ def request_rows(requests: list[Request]) -> list[dict]:
     rows = []
     for r in requests:
         ttft = _ms(r.first_token_s, r.arrival_s)
-        e2el = _ms(r.finish_s, r.arrival_s) if r.state == FINISHED else float("nan")
+        e2el = _ms(r.finish_s, r.arrival_s) if r.state is FINISHED else float("nan")
         n = r.num_output_tokens
-        tpot = (e2el - ttft) / (n - 1) if r.state == FINISHED and n > 1 else float("nan")
+        tpot = (e2el - ttft) / (n - 1) if r.state is FINISHED and n > 1 else float("nan")
         rows.append(
             {
                 "request_id": r.request_id,
-                "state": r.state,
+                "state": r.state.value,
                 "arrival_s": r.arrival_s,
                 "prompt_tokens": r.prompt_tokens,
                 "max_output_tokens": r.max_output_tokens,
@@ -95,7 +96,9 @@ def request_rows(requests: list[Request]) -> list[dict]:
 
 
 def _stats(name: str, values: np.ndarray, out: dict) -> None:
-    values = values[~np.isnan(values)]
+    missing = np.isnan(values)
+    if missing.any():  # a copy only when there is something to drop (the ITL of an hour: 4M values)
+        values = values[~missing]
     if len(values) == 0:
         out[f"mean_{name}_ms"] = out[f"std_{name}_ms"] = float("nan")
         for label, _ in PERCENTILES:
@@ -103,18 +106,45 @@ def _stats(name: str, values: np.ndarray, out: dict) -> None:
         return
     out[f"mean_{name}_ms"] = float(values.mean())
     out[f"std_{name}_ms"] = float(values.std())
+    # Percentiles last, partitioning ``values`` in place (a percentile depends only on the
+    # values, not their order): no copy of the array. The caller's arrays are spent here.
     for label, q in PERCENTILES:
-        out[f"{label}_{name}_ms"] = float(np.percentile(values, q))
+        out[f"{label}_{name}_ms"] = float(np.percentile(values, q, overwrite_input=True))
+
+
+def _floats(values) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+
+
+def _inter_token_ms(done: list[Request]) -> np.ndarray:
+    """Gaps between consecutive tokens of each request, pooled in request order, filled into
+    one array (a list of per-request arrays and their concatenation cost twice the memory)."""
+    times = [r.token_times_s for r in done]
+    out = np.empty(sum(max(len(t) - 1, 0) for t in times))
+    pos = 0
+    for t in times:
+        k = len(t) - 1
+        if k > 0:
+            a = np.frombuffer(t, dtype=np.float64) if isinstance(t, array) else np.asarray(t, dtype=np.float64)
+            gap = out[pos : pos + k]
+            np.subtract(a[1:], a[:-1], out=gap)
+            gap *= 1e3
+            pos += k
+    return out
 
 
 def summarize(requests: list[Request], slo: Slo = Slo(), steps: dict[str, np.ndarray] | None = None) -> dict:
     """The run's summary. ``steps`` (``StepRecorder.columns()``) adds KV usage figures."""
-    done = [r for r in requests if r.state == FINISHED]
-    rows = request_rows(done)
-    ttft = np.array([r["ttft_ms"] for r in rows], dtype=float)
-    tpot = np.array([r["tpot_ms"] for r in rows], dtype=float)
-    e2el = np.array([r["e2el_ms"] for r in rows], dtype=float)
-    itl = np.concatenate([np.diff(np.asarray(r.token_times_s)) * 1e3 for r in done]) if done else np.zeros(0)
+    done = [r for r in requests if r.state is FINISHED]
+    # The same arithmetic as request_rows, on arrays: no dict per request.
+    arrival = _floats(r.arrival_s for r in done)
+    ttft = (_floats(r.first_token_s for r in done) - arrival) * 1e3
+    e2el = (_floats(r.finish_s for r in done) - arrival) * 1e3
+    n = np.fromiter((r.num_output_tokens for r in done), dtype=np.int64, count=len(done))
+    tpot = np.full(len(done), np.nan)
+    many = n > 1
+    tpot[many] = (e2el[many] - ttft[many]) / (n[many] - 1)
+    itl = _inter_token_ms(done)
     start_s = min((r.arrival_s for r in requests), default=0.0)
     end_s = max((r.finish_s for r in done), default=start_s)
     duration_s = max(end_s - start_s, 1e-9)
@@ -127,8 +157,8 @@ def summarize(requests: list[Request], slo: Slo = Slo(), steps: dict[str, np.nda
     out = {
         "num_requests": len(requests),
         "completed": len(done),
-        "rejected": sum(r.state == REJECTED for r in requests),
-        "unfinished": len(requests) - len(done) - sum(r.state == REJECTED for r in requests),
+        "rejected": sum(r.state is REJECTED for r in requests),
+        "unfinished": len(requests) - len(done) - sum(r.state is REJECTED for r in requests),
         "duration_s": duration_s,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
@@ -146,9 +176,16 @@ def summarize(requests: list[Request], slo: Slo = Slo(), steps: dict[str, np.nda
     return out
 
 
+_STEP_FLOAT_COLUMNS = frozenset(("start_s", "duration_s", "kv_usage", "quality_proxy"))
+
+
 class StepRecorder:
-    """One row per engine step, stored column-wise (a list per column) because it is appended
-    to on the hot path of a run: ~150,000 rows for an hour of simulated traffic."""
+    """One row per engine step, appended on the hot path of a run (~110,000 rows for an hour of
+    simulated chat traffic, ~250,000 for an hour of long context).
+
+    Rows are held column by column in blocks of ``CHUNK_ROWS`` steps (216 bytes a step: int64
+    counts, float64 times and ratios), not as Python objects: a tuple per step cost ~700 bytes
+    and a conversion at the end. ``columns()`` joins the blocks once and hands out views."""
 
     BASE_COLUMNS = (
         "step",
@@ -174,11 +211,22 @@ class StepRecorder:
     )
     WEIGHT_COLUMNS = tuple(f"weight_pages_{p}" for p in PRECISION_NAMES)
     COLUMNS = BASE_COLUMNS + WEIGHT_COLUMNS
+    FLOAT_COLUMNS = _STEP_FLOAT_COLUMNS
+    CHUNK_ROWS = 4096
+    _FLOAT_IDX = [i for i, c in enumerate(COLUMNS) if c in _STEP_FLOAT_COLUMNS]
+    _INT_IDX = [i for i, c in enumerate(COLUMNS) if c not in _STEP_FLOAT_COLUMNS]
+    _FLOAT_NAMES = [c for c in COLUMNS if c in _STEP_FLOAT_COLUMNS]
+    _INT_NAMES = [c for c in COLUMNS if c not in _STEP_FLOAT_COLUMNS]
 
     def __init__(self, max_rows: int | None = None) -> None:
         """``max_rows``: keep only the newest rows (a long-running server); None keeps all."""
-        self._rows: list[tuple] | deque[tuple] = deque(maxlen=max_rows) if max_rows else []
+        # Full blocks: (float columns, int columns), each (columns, rows), C order.
+        self._chunks: list[tuple[np.ndarray, np.ndarray]] = []
+        self._rows: list[tuple] = []  # the block being filled (at most CHUNK_ROWS tuples)
+        self._max_rows = max_rows or None
+        self._num_held = 0  # rows in the blocks and the block being filled
         self.num_recorded = 0  # every step, beyond the window too
+        self._columns: dict[str, np.ndarray] | None = None  # cached until the next row
 
     def record(
         self,
@@ -200,12 +248,12 @@ class StepRecorder:
         bytes_swapped: int = 0,
         quality_proxy: float = 0.0,
     ) -> None:
-        counts = pool._count  # read-only view; copying the whole usage dict per step costs more
+        counts = pool.counts()
         capacity = kv_blocks_used + kv_blocks_free
-        self.num_recorded += 1
-        self._rows.append(
+        rows = self._rows
+        rows.append(
             (
-                self.num_recorded - 1,
+                self.num_recorded,
                 start_s,
                 duration_s,
                 num_running,
@@ -215,25 +263,59 @@ class StepRecorder:
                 num_preempted,
                 kv_blocks_used,
                 kv_blocks_used / capacity if capacity else 0.0,
-                int(counts[OWNER_KV]),
-                int(counts[OWNER_PINNED]),
-                int(counts[OWNER_TRANSITION]),
-                int(counts[OWNER_FREE]),
+                counts[OWNER_KV],
+                counts[OWNER_PINNED],
+                counts[OWNER_TRANSITION],
+                counts[OWNER_FREE],
                 num_downgrades,
                 num_upgrades,
                 bytes_downgraded,
                 bytes_upgraded,
                 bytes_swapped,
                 quality_proxy,
-                *(int(counts[weight_owner(i)]) for i in range(NUM_OWNERS - weight_owner(0))),
+                *counts[_WEIGHT_OWNERS],
             )
         )
+        self.num_recorded += 1
+        self._num_held += 1
+        self._columns = None
+        if len(rows) == self.CHUNK_ROWS:
+            self._chunks.append(self._block(rows))
+            self._rows = []
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drops whole blocks that lie entirely before the window (``columns`` cuts the rest)."""
+        if self._max_rows is None:
+            return
+        while self._chunks and self._num_held - self._chunks[0][0].shape[1] >= self._max_rows:
+            self._num_held -= self._chunks.pop(0)[0].shape[1]
+
+    @classmethod
+    def _block(cls, rows: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
+        table = np.array(rows, dtype=np.float64)  # exact: every count is far below 2**53
+        return np.ascontiguousarray(table[:, cls._FLOAT_IDX].T), table[:, cls._INT_IDX].T.astype(np.int64, order="C")
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return min(self._num_held, self._max_rows or self._num_held)
 
     def columns(self) -> dict[str, np.ndarray]:
-        if not self._rows:
+        if self._columns is not None:
+            return self._columns
+        if not self._num_held:
             return {c: np.zeros(0) for c in self.COLUMNS}
-        cols = list(zip(*self._rows, strict=True))
-        return {name: np.asarray(col) for name, col in zip(self.COLUMNS, cols, strict=True)}
+        if self._rows:
+            self._chunks.append(self._block(self._rows))
+            self._rows = []
+        if len(self._chunks) > 1:  # joined once: the blocks are replaced, not kept beside
+            floats = np.concatenate([f for f, _ in self._chunks], axis=1)
+            ints = np.concatenate([i for _, i in self._chunks], axis=1)
+            self._chunks = [(floats, ints)]
+        floats, ints = self._chunks[0]
+        if self._max_rows is not None and floats.shape[1] > self._max_rows:  # the newest rows only
+            floats, ints = floats[:, -self._max_rows :].copy(), ints[:, -self._max_rows :].copy()
+            self._chunks, self._num_held = [(floats, ints)], self._max_rows
+        out = {name: floats[k] for k, name in enumerate(self._FLOAT_NAMES)}
+        out |= {name: ints[k] for k, name in enumerate(self._INT_NAMES)}
+        self._columns = {name: out[name] for name in self.COLUMNS}
+        return self._columns

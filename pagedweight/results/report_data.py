@@ -135,6 +135,47 @@ def _csv(path: Path) -> pd.DataFrame:
     return pd.read_csv(path) if path.is_file() and path.stat().st_size > 0 else pd.DataFrame()
 
 
+# steps.csv of 7 policies over an hour of long context is ~2.5M rows. Read with pandas'
+# defaults it costs ~600 bytes a row at the peak (4M rows: 2.4 GB); here the columns take the
+# step recorder's types (policy names as categories, counts as int32) and are filled chunk by
+# chunk into arrays of their final length, so the peak is the table (~130 bytes a row) plus a chunk.
+_STEP_TYPES = {"policy": "str", "start_s": "float64", "duration_s": "float64", "kv_usage": "float64"}
+_STEP_TYPES |= {"quality_proxy": "float64", "bytes_downgraded": "int64", "bytes_upgraded": "int64"}
+_STEP_TYPES |= {"bytes_swapped": "int64"}
+_CHUNK_ROWS = 200_000
+
+
+def _steps_csv(path: Path) -> pd.DataFrame:
+    if not (path.is_file() and path.stat().st_size > 0):
+        return pd.DataFrame()
+    header = list(pd.read_csv(path, nrows=0).columns)
+    if "policy" not in header:
+        return pd.read_csv(path)
+    with path.open("rb") as f:
+        num_rows = sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 24), b"")) - 1
+    types = {c: _STEP_TYPES.get(c, "int32") for c in header}
+    try:
+        cols = {c: np.empty(num_rows + 1, dtype=np.int16 if c == "policy" else types[c]) for c in header}
+        names: dict[str, int] = {}
+        n = 0
+        for chunk in pd.read_csv(path, dtype=types, chunksize=_CHUNK_ROWS):
+            m = len(chunk)
+            for c in header:
+                if c == "policy":
+                    values = chunk[c].to_numpy()
+                    for name in pd.unique(values):
+                        names.setdefault(name, len(names))
+                    cols[c][n : n + m] = pd.Series(values).map(names).to_numpy()
+                else:
+                    cols[c][n : n + m] = chunk[c].to_numpy()
+            n += m
+    except (ValueError, OverflowError):  # a table from elsewhere with other types: pandas decides
+        return pd.read_csv(path)
+    cols = {c: a[:n] for c, a in cols.items()}
+    cols["policy"] = pd.Categorical.from_codes(cols["policy"], categories=list(names))
+    return pd.DataFrame(cols, copy=False)
+
+
 def load_run(path: str | Path, tables: bool = True) -> RunResults:
     """``tables=False`` reads only the summary (enough for ``pwsim compare``)."""
     path = Path(path)
@@ -147,7 +188,7 @@ def load_run(path: str | Path, tables: bool = True) -> RunResults:
     return RunResults(
         path,
         summary,
-        _csv(path / "steps.csv"),
+        _steps_csv(path / "steps.csv"),
         _csv(path / "requests.csv"),
         _csv(path / "transitions.csv"),
         _csv(path / "initial_precisions.csv"),

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +30,7 @@ import pandas as pd
 from pagedweight.core.runtime import TRANSITION_COLUMNS, RuntimeCore
 from pagedweight.core.scheduler import Request
 from pagedweight.core.spec import PRECISION_NAMES
-from pagedweight.results.metrics import Slo, request_rows, summarize
+from pagedweight.results.metrics import REQUEST_COLUMNS, Slo, request_rows, summarize
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -41,6 +43,45 @@ def atomic_write_csv(df: pd.DataFrame, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     df.to_csv(tmp, index=False)
     os.replace(tmp, path)
+
+
+def trace_meta(trace) -> dict:
+    """What summary.json says about a ``RequestTrace``."""
+    return {"source": trace.source, "num_requests": len(trace), "notes": list(trace.notes)}
+
+
+def run_meta(
+    *,
+    runtime: str,
+    scenario: str,
+    model: str,
+    gpu: str,
+    budget_bytes: int,
+    page_bytes: int,
+    latency_model: str,
+    importance: str,
+    trace: dict,
+    seed: int | None = None,
+    **extra,
+) -> dict:
+    """The run facts at the top of summary.json, in one order for both runtimes. ``extra``
+    (runtime-specific facts) comes before the trace; ``seed`` is left out when there is none
+    (a live server)."""
+    meta = {
+        "runtime": runtime,
+        "scenario": scenario,
+        "model": model,
+        "gpu": gpu,
+        "budget_bytes": budget_bytes,
+        "page_bytes": page_bytes,
+        "latency_model": latency_model,
+        "importance": importance,
+        **extra,
+        "trace": trace,
+    }
+    if seed is not None:
+        meta["seed"] = seed
+    return meta
 
 
 def weight_summary(steps: dict[str, np.ndarray], page_bytes: int) -> dict:
@@ -80,60 +121,130 @@ def policy_summary(requests: list[Request], core: RuntimeCore, slo: Slo, wall_s:
     return s
 
 
+TABLES = ("requests", "steps", "transitions", "initial_precisions")
+
+
+def write_policy_tables(parts_dir: Path, policy: str, requests: list[Request], core: RuntimeCore) -> None:
+    """One policy's rows of the four tables, as CSV files (with header) in ``parts_dir``.
+
+    A run writes each policy's tables as soon as the policy is done and the writer joins them
+    at the end, so no process holds more than one policy's rows (an hour of long context is
+    ~250,000 steps per policy), and policies run in other processes hand over files."""
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    ids = np.asarray(core.setup.initial_ids)
+    experts = np.arange(len(ids))
+    _write_steps(parts_dir / "steps.csv", policy, core.steps.columns())
+    _write_requests(parts_dir / "requests.csv", policy, requests)
+    frames = (
+        ("transitions", lambda: pd.DataFrame([t.row() for t in core.transitions], columns=TRANSITION_COLUMNS)),
+        (
+            "initial_precisions",
+            lambda: pd.DataFrame(
+                {
+                    "expert": experts,
+                    "layer": experts // core.model.num_experts,
+                    "precision": np.asarray(PRECISION_NAMES)[ids],
+                }
+            ),
+        ),
+    )
+    for name, make in frames:  # one table in memory at a time
+        df = make()
+        df.insert(0, "policy", policy)
+        df.to_csv(parts_dir / f"{name}.csv", index=False)
+
+
+def _write_steps(path: Path, policy: str, columns: dict[str, np.ndarray], rows_per_write: int = 100_000) -> None:
+    """The step table in slices: a DataFrame of every step would copy the whole table again."""
+    num_rows = len(next(iter(columns.values())))
+    with path.open("w", newline="") as f:
+        for start in range(0, max(num_rows, 1), rows_per_write):
+            df = pd.DataFrame({c: a[start : start + rows_per_write] for c, a in columns.items()})
+            df.insert(0, "policy", policy)
+            df.to_csv(f, index=False, header=start == 0)
+
+
+def _write_requests(path: Path, policy: str, requests: list[Request], rows_per_write: int = 20_000) -> None:
+    """The request table in slices (a dict per request for an hour of traffic is ~100 MB).
+    Only float columns can differ in type between slices (None or not), and pandas prints a
+    float the same either way, so the file is the one a single table would give."""
+    with path.open("w", newline="") as f:
+        for start in range(0, max(len(requests), 1), rows_per_write):
+            df = pd.DataFrame(request_rows(requests[start : start + rows_per_write]))
+            if df.empty:
+                df = pd.DataFrame(columns=REQUEST_COLUMNS)
+            df.insert(0, "policy", policy)
+            df.to_csv(f, index=False, header=start == 0)
+
+
+def join_csv_parts(parts: list[Path], out: Path) -> None:
+    """Concatenate CSV files with the same header into ``out`` (atomically), keeping the first
+    header. The bytes are those of one ``to_csv`` over the concatenated tables: every column has
+    the same type in every part (integers never hold missing values), so no part's numbers
+    would be printed differently together."""
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    with tmp.open("wb") as dst:
+        for i, part in enumerate(parts):
+            with part.open("rb") as src:
+                header = src.readline()
+                if i == 0:
+                    dst.write(header)
+                shutil.copyfileobj(src, dst, 1 << 20)
+    os.replace(tmp, out)
+
+
 @dataclass
 class ResultsWriter:
-    """Collects one run's policies, then writes the directory."""
+    """Collects one run's policies, then writes the directory. Each policy's tables go to a
+    hidden parts folder as it is added; ``write`` joins them and removes the folder."""
 
     out_dir: Path
     meta: dict
-    _requests: list[pd.DataFrame] = field(default_factory=list)
-    _steps: list[pd.DataFrame] = field(default_factory=list)
-    _transitions: list[pd.DataFrame] = field(default_factory=list)
-    _initial: list[pd.DataFrame] = field(default_factory=list)
+    _parts: list[Path] = field(default_factory=list)
+    _parts_root: Path | None = None
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.meta.setdefault("policies", {})
 
+    @property
+    def parts_root(self) -> Path:
+        """Where policies' part files go until ``write`` (workers write there too)."""
+        if self._parts_root is None:
+            self._parts_root = Path(tempfile.mkdtemp(prefix=".parts-", dir=self.out_dir))
+        return self._parts_root
+
     def add_error(self, policy: str, message: str) -> None:
         self.meta["policies"][policy] = {"error": message}
 
     def add(self, policy: str, requests: list[Request], core: RuntimeCore, summary: dict) -> None:
+        parts = self.parts_root / f"{len(self._parts)}"
+        write_policy_tables(parts, policy, requests, core)
+        self.add_parts(policy, parts, summary)
+
+    def add_parts(self, policy: str, parts_dir: Path, summary: dict) -> None:
+        """A policy whose tables ``write_policy_tables`` wrote to ``parts_dir``."""
         self.meta["policies"][policy] = summary
-        ids = np.asarray(core.setup.initial_ids)
-        experts = np.arange(len(ids))
-        initial = pd.DataFrame(
-            {
-                "expert": experts,
-                "layer": experts // core.model.num_experts,
-                "precision": np.asarray(PRECISION_NAMES)[ids],
-            }
-        )
-        for frames, df in (
-            (self._requests, pd.DataFrame(request_rows(requests))),
-            (self._steps, pd.DataFrame(core.steps.columns())),
-            (self._transitions, pd.DataFrame(core.transitions, columns=TRANSITION_COLUMNS)),
-            (self._initial, initial),
-        ):
-            df.insert(0, "policy", policy)
-            frames.append(df)
+        self._parts.append(Path(parts_dir))
 
     def write(self, scenario_yaml: str | None = None) -> dict:
         out = self.out_dir
-        tables = (
-            ("requests", self._requests),
-            ("steps", self._steps),
-            ("transitions", self._transitions),
-            ("initial_precisions", self._initial),
-        )
-        for name, frames in tables:
-            if frames:
-                atomic_write_csv(pd.concat(frames, ignore_index=True), out / f"{name}.csv")
+        if self._parts:
+            for name in TABLES:
+                join_csv_parts([p / f"{name}.csv" for p in self._parts], out / f"{name}.csv")
         atomic_write_text(out / "summary.json", json.dumps(self.meta, indent=2, default=_json_default) + "\n")
         if scenario_yaml is not None:
             atomic_write_text(out / "scenario.resolved.yaml", scenario_yaml)
+        self.discard_parts()
         return self.meta
+
+    def discard_parts(self) -> None:
+        """Remove the parts folder (after ``write``, or when a run stops early)."""
+        if self._parts_root is not None:
+            shutil.rmtree(self._parts_root, ignore_errors=True)
+            self._parts_root = None
+        self._parts = []
 
 
 def _json_default(v):

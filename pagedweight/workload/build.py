@@ -63,14 +63,14 @@ def load_trace(cfg: TraceWorkload, base_dir: str | Path, rng: np.random.Generato
     path = cfg.resolved_path(base_dir)
     unit = cfg.effective_time_unit()
     if cfg.format == "azure":
-        return load_azure(path)
+        return load_azure(path, sort=cfg.sort)
     if cfg.format == "mooncake":
-        return load_mooncake(path, unit)
+        return load_mooncake(path, unit, sort=cfg.sort)
     if cfg.format == "burstgpt":
-        return load_burstgpt(path, model=cfg.burstgpt_model, drop_failed=cfg.drop_failed, time_unit=unit)
+        return load_burstgpt(path, model=cfg.burstgpt_model, drop_failed=cfg.drop_failed, time_unit=unit, sort=cfg.sort)
     if cfg.format == "generic":
         c = cfg.columns
-        return load_generic(path, c.arrival, c.prompt_tokens, c.output_tokens, unit)
+        return load_generic(path, c.arrival, c.prompt_tokens, c.output_tokens, unit, sort=cfg.sort)
     prompt, output = load_lengths(path)
     # Arrivals for every row, or up to the end of the window, whichever comes first.
     horizon_s = None if cfg.duration_s is None else cfg.start_s + cfg.duration_s

@@ -13,7 +13,11 @@ Formats (the columns each loader reads; other columns are ignored):
 - ``generic``: CSV, or JSONL when the name ends in .jsonl/.ndjson/.json, with named columns.
 
 Loaders are vectorised (pandas parse, numpy checks): the 19,366-row Azure conversation trace
-loads in about 20 ms. A malformed value raises ``TraceError`` naming the file, line and column.
+loads in about 20 ms. A malformed value raises ``TraceError`` naming the file, line and column:
+a missing or non-numeric value, a boolean where a number belongs, a token count that is not a
+whole number from 0 to ``MAX_TOKENS``, a negative or non-finite time, and a time earlier than
+the row before it. A file out of time order is replayed sorted only when the caller opts in
+(``sort=True``; a scenario's ``workload.sort: true``), and the trace's notes say so.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ _NO_DATE_GUESSING = (
     {"convert_dates": False, "keep_default_dates": False} if int(pd.__version__.split(".")[0]) < 3 else {}
 )
 TIME_UNIT_S = {"s": 1.0, "ms": 1e-3}
+# Largest token count a trace may give: far beyond any context, and exact in float64 and int64
+# (a JSON 1e30 would otherwise wrap around in the int64 cast and become a 1-token prompt).
+MAX_TOKENS = 2**31 - 1
 
 
 @dataclass(frozen=True, eq=False)  # eq on numpy arrays is ambiguous; compare the arrays instead
@@ -104,22 +111,37 @@ class _Table:
         return TraceError(f"{self.path}:{self.line_no[row]}: column {column!r}: {problem} (got {got})")
 
     def numbers(self, column: str) -> np.ndarray:
-        """The column as float64; a missing or non-numeric value is an error naming its line."""
-        values = pd.to_numeric(self.df[column], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+        """The column as float64; a missing, boolean, non-numeric or non-finite value is an
+        error naming its line."""
+        raw = self.df[column]
+        if raw.dtype == bool or raw.dtype == object:
+            # pandas reads JSON true/false as booleans and would count true as 1.
+            is_bool = raw.map(lambda v: isinstance(v, (bool, np.bool_))).to_numpy(dtype=bool)
+            if is_bool.any():
+                raise self.fail(int(np.argmax(is_bool)), column, "expected a number, not a boolean")
+        values = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
         bad = ~np.isfinite(values)
         if bad.any():
             row = int(np.argmax(bad))
-            raise self.fail(row, column, "expected a number")
+            raise self.fail(row, column, "expected a number" if np.isnan(values[row]) else "expected a finite number")
         return values
 
     def counts(self, column: str) -> np.ndarray:
-        """The column as int64 token counts: whole numbers >= 0."""
+        """The column as int64 token counts: whole numbers from 0 to ``MAX_TOKENS``."""
         values = self.numbers(column)
-        bad = (values < 0) | (values != np.floor(values))
+        bad = (values < 0) | (values > MAX_TOKENS) | (values != np.floor(values))
         if bad.any():
             row = int(np.argmax(bad))
-            raise self.fail(row, column, "expected a whole number >= 0")
+            raise self.fail(row, column, f"expected a whole number from 0 to {MAX_TOKENS:,}")
         return values.astype(np.int64)
+
+    def times(self, column: str, unit_s: float) -> np.ndarray:
+        """The column as seconds: finite numbers >= 0 in units of ``unit_s`` seconds."""
+        values = self.numbers(column)
+        bad = values < 0
+        if bad.any():
+            raise self.fail(int(np.argmax(bad)), column, "expected a time >= 0")
+        return values * unit_s
 
 
 def _is_missing(value) -> bool:
@@ -192,7 +214,7 @@ def read_table(path: str | Path) -> _Table:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_azure(path: str | Path) -> RequestTrace:
+def load_azure(path: str | Path, sort: bool = False) -> RequestTrace:
     """Azure LLM inference trace (2023 code/conversation, 2024 week-long files)."""
     t = read_csv_table(path)
     t.require(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
@@ -203,19 +225,21 @@ def load_azure(path: str | Path) -> RequestTrace:
         raise t.fail(int(np.argmax(bad)), "TIMESTAMP", "expected a time like 2023-11-16 18:15:46.6805900")
     ns = stamps.to_numpy(dtype="datetime64[ns]").astype(np.int64)
     arrival_s = (ns - ns.min()) / 1e9 if len(ns) else ns.astype(np.float64)
-    return _assemble(t, arrival_s, t.counts("ContextTokens"), t.counts("GeneratedTokens"), "azure")
+    prompt, output = t.counts("ContextTokens"), t.counts("GeneratedTokens")
+    return _assemble(t, arrival_s, prompt, output, "azure", time_column="TIMESTAMP", sort=sort)
 
 
-def load_mooncake(path: str | Path, time_unit: str = "ms") -> RequestTrace:
+def load_mooncake(path: str | Path, time_unit: str = "ms", sort: bool = False) -> RequestTrace:
     """Mooncake trace JSONL; timestamps are in ms (the real conversation trace's come in ~3 s buckets)."""
     t = read_jsonl_table(path)
     t.require(["timestamp", "input_length", "output_length"])
-    arrival_s = t.numbers("timestamp") * _unit(time_unit)
-    return _assemble(t, arrival_s, t.counts("input_length"), t.counts("output_length"), "mooncake")
+    arrival_s = t.times("timestamp", _unit(time_unit))
+    prompt, output = t.counts("input_length"), t.counts("output_length")
+    return _assemble(t, arrival_s, prompt, output, "mooncake", time_column="timestamp", sort=sort)
 
 
 def load_burstgpt(
-    path: str | Path, model: str | None = None, drop_failed: bool = True, time_unit: str = "s"
+    path: str | Path, model: str | None = None, drop_failed: bool = True, time_unit: str = "s", sort: bool = False
 ) -> RequestTrace:
     """BurstGPT CSV. Rows with zero response tokens are failed requests: dropped (and counted),
     or with ``drop_failed=False`` kept as 1-output-token requests (their prefill still ran)."""
@@ -229,28 +253,30 @@ def load_burstgpt(
             raise TraceError(f"{t.path}: no rows with Model {model!r}; models present: {', '.join(models)}")
         notes.append(f"kept {int(keep.sum())} of {len(keep)} rows with Model {model!r}")
         t = _Table(t.path, t.df[keep].reset_index(drop=True), t.line_no[keep])
-    arrival_s = t.numbers("Timestamp") * _unit(time_unit)
+    arrival_s = t.times("Timestamp", _unit(time_unit))
     prompt, output = t.counts("Request tokens"), t.counts("Response tokens")
+    rows = np.arange(len(arrival_s))
     failed = output == 0
     if failed.any() and drop_failed:
         notes.append(f"dropped {int(failed.sum())} failed rows (zero response tokens)")
-        arrival_s, prompt, output = arrival_s[~failed], prompt[~failed], output[~failed]
+        arrival_s, prompt, output, rows = arrival_s[~failed], prompt[~failed], output[~failed], rows[~failed]
     elif failed.any():
         notes.append(f"kept {int(failed.sum())} failed rows (zero response tokens) as 1-output-token requests")
         output = np.maximum(output, 1)
     if len(arrival_s) == 0:
         raise TraceError(f"{t.path}: no requests left after dropping failed rows")
-    return _assemble(t, arrival_s, prompt, output, "burstgpt", notes)
+    return _assemble(t, arrival_s, prompt, output, "burstgpt", notes, "Timestamp", sort, rows)
 
 
 def load_generic(
-    path: str | Path, arrival: str, prompt_tokens: str, output_tokens: str, time_unit: str = "s"
+    path: str | Path, arrival: str, prompt_tokens: str, output_tokens: str, time_unit: str = "s", sort: bool = False
 ) -> RequestTrace:
     """A CSV or JSONL trace with named columns; arrival times are numbers in ``time_unit``."""
     t = read_table(path)
     t.require([arrival, prompt_tokens, output_tokens])
-    arrival_s = t.numbers(arrival) * _unit(time_unit)
-    return _assemble(t, arrival_s, t.counts(prompt_tokens), t.counts(output_tokens), "generic")
+    arrival_s = t.times(arrival, _unit(time_unit))
+    prompt, output = t.counts(prompt_tokens), t.counts(output_tokens)
+    return _assemble(t, arrival_s, prompt, output, "generic", time_column=arrival, sort=sort)
 
 
 def load_lengths(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
@@ -300,16 +326,29 @@ def _assemble(
     output: np.ndarray,
     fmt: str,
     notes: list[str] | None = None,
+    time_column: str = "",
+    sort: bool = False,
+    rows: np.ndarray | None = None,
 ) -> RequestTrace:
-    """Sort by time (stable: same-time requests keep file order), start at 0, clamp zero lengths."""
+    """Check time order (or, with ``sort``, sort stably: same-time requests keep file order),
+    start at 0, clamp zero lengths. ``rows``: each request's row in ``t`` (default: all rows)."""
     notes = list(notes or [])
     if len(arrival_s) == 0:
         raise TraceError(f"{t.path}: no requests")
-    out_of_order = int(np.sum(np.diff(arrival_s) < 0))
-    if out_of_order:
+    backwards = np.diff(arrival_s) < 0
+    if backwards.any():
+        if not sort:
+            k = int(np.argmax(backwards)) + 1
+            row = int(rows[k]) if rows is not None else k
+            raise t.fail(
+                row,
+                time_column,
+                "earlier than the row before it; sort the file by time, or opt in to sorting it on load "
+                "(workload sort: true in a scenario; pwsim trace stats --sort)",
+            )
         order = np.argsort(arrival_s, kind="stable")
         arrival_s, prompt, output = arrival_s[order], prompt[order], output[order]
-        notes.append(f"sorted by time ({out_of_order} rows were out of order)")
+        notes.append(f"sorted by time ({int(backwards.sum())} rows were out of order)")
     for name, arr in (("prompt", prompt), ("output", output)):
         zeros = int(np.sum(arr == 0))
         if zeros:

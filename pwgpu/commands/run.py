@@ -9,10 +9,9 @@ random checkpoint with that model's shape and fewer layers (the GPU benchmark).
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 from pagedweight.policy.policies import POLICY_NAMES
+from pwgpu.commands import core_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,14 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--trace", help="trace file (azure, mooncake, burstgpt or generic CSV/JSONL)")
     p.add_argument("--policies", help=f"comma list of {', '.join(POLICY_NAMES)} (default: static-fp16,pagedweight)")
-    p.add_argument("--mem-budget", help="arena size for weights and KV, e.g. '8.5MiB', '60GiB'")
+    core_options.add_arguments(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="activations, pinned weights and KV")
     p.add_argument("--out", required=True, help="results directory")
     p.add_argument("--rate-scale", type=float, default=1.0)
     p.add_argument("--max-requests", type=int)
-    p.add_argument("--page-bytes", help="pool page size (default: >= 32KiB, one KV block at least)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--importance", help="importance table CSV (default: a synthetic table)")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--seed", type=int, default=0)
@@ -48,7 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedweight.config.scenario import parse_bytes
     from pagedweight.core.spec import load_model
     from pagedweight.errors import PagedWeightError
     from pagedweight.workload.build import scale_rate, take
@@ -72,13 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rate_scale != 1.0:
         trace = scale_rate(trace, args.rate_scale)
     base = EngineConfig(
-        budget_bytes=parse_bytes(args.mem_budget),
-        page_bytes=parse_bytes(args.page_bytes) if args.page_bytes else None,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        importance=args.importance,
-        device=args.device,
-        dtype=args.dtype,
+        core_options.core_config(args), importance=args.importance, device=args.device, dtype=args.dtype
     )
     prompts = None
     if args.prompt_text:
@@ -91,76 +80,39 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_scenario(args: argparse.Namespace) -> int:
+    """The engine configured exactly as ``pwsim`` configures its RuntimeCore for the scenario
+    (``pagedweight.config.run.scenario_run``)."""
+    from pagedweight.config.run import scenario_run
+    from pagedweight.config.scenario import load_scenario
     from pagedweight.errors import PagedWeightError
+    from pwgpu.default_model import default_model_dir, random_model_dir
+    from pwgpu.offline import run_scenario
 
-    if args.trace or args.mem_budget or args.like or args.importance:
-        raise PagedWeightError("--scenario sets the trace, budget, model and importance; drop the other options")
+    given = [f"--{k.replace('_', '-')}" for k in _SET_BY_SCENARIO if getattr(args, k) is not None]
+    if given:
+        raise PagedWeightError(
+            f"--scenario sets the trace, budget, model, limits and importance; drop {', '.join(given)}"
+        )
+    loaded = load_scenario(args.scenario, require_latency_table=False)  # the engine times itself
+    sc = loaded.scenario
+    model_dir = args.model or (default_model_dir() if sc.model == "tiny-moe" else random_model_dir(loaded.model, None))
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else None
-    meta, num_requests = run_scenario(
-        args.scenario, args.out, policies, args.model, args.device, args.dtype, args.prompt_text
-    )
-    _print(meta, num_requests, args.out)
+    run = scenario_run(loaded, policies)
+    extra = {}
+    if args.prompt_text:
+        from pwgpu.served import TextPrompts
+
+        extra["prompt_source"] = TextPrompts(model_dir, args.prompt_text, run.seed)
+    meta = run_scenario(run, model_dir, args.out, device=args.device, dtype=args.dtype, **extra)
+    _print(meta, len(run.trace), args.out)
     return 0
 
 
-def run_scenario(
-    scenario: str | Path,
-    out: str | Path,
-    policies: list[str] | None = None,
-    model: str | None = None,
-    device: str | None = None,
-    dtype: str | None = None,
-    prompt_text: list[str] | None = None,
-    overrides: dict[str, dict] | None = None,
-    record_logits: bool = False,
-) -> tuple[dict, int]:
-    """A scenario on the engine, configured exactly as ``pwsim`` configures its RuntimeCore for it
-    (same trace, budget, pages, scheduler, controller, importance table and ladder). Returns the
-    results' summary and the number of requests."""
-    import numpy as np
-
-    from pagedweight.config.scenario import importance_path, importance_table, load_scenario
-    from pagedweight.core.runtime import core_config
-    from pagedweight.policy.importance import write_table
-    from pagedweight.workload.build import build_workload
-    from pwgpu.default_model import default_model_dir, random_model_dir
-    from pwgpu.engine import EngineConfig
-    from pwgpu.loader import SCENARIO_DTYPE
-    from pwgpu.offline import run_policies
-
-    loaded = load_scenario(scenario, require_latency_table=False)  # the engine times itself
-    sc = loaded.scenario
-    model_dir = model or (default_model_dir() if sc.model == "tiny-moe" else random_model_dir(loaded.model, None))
-    trace = build_workload(sc.workload, loaded.base_dir, loaded.max_model_len, np.random.default_rng(sc.seed))
-    core = core_config(loaded)
-    prompts = None
-    if prompt_text:
-        from pwgpu.served import TextPrompts
-
-        prompts = TextPrompts(model_dir, prompt_text, sc.seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        importance = importance_path(loaded)
-        if importance is None:  # synthetic: hand the engine exactly the table the simulator builds
-            importance = Path(tmp) / "importance.csv"
-            write_table(importance_table(loaded), importance)
-        base = EngineConfig(
-            budget_bytes=loaded.budget_bytes,
-            page_bytes=sc.memory.page_bytes,
-            kv_block_tokens=sc.memory.kv_block_tokens,
-            max_num_batched_tokens=sc.scheduler.max_num_batched_tokens,
-            max_num_seqs=sc.scheduler.max_num_seqs,
-            max_model_len=loaded.max_model_len,
-            controller=core.controller,
-            importance=str(importance),
-            device=device,
-            dtype=dtype or SCENARIO_DTYPE,
-            precisions=tuple(sc.memory.precisions),
-        )
-        meta = run_policies(
-            model_dir, trace, base, policies or list(sc.policies), out, sc.seed, scenario=sc.name,
-            prompt_source=prompts, overrides=overrides, record_logits=record_logits,
-        )  # fmt: skip
-    return meta, len(trace)
+# Options a scenario sets itself.
+_SET_BY_SCENARIO = (
+    "trace", "mem_budget", "like", "importance", "page_bytes", "kv_block_tokens", "max_num_seqs",
+    "max_num_batched_tokens", "max_model_len",
+)  # fmt: skip
 
 
 def _print(meta: dict, num_requests: int, out: str) -> None:

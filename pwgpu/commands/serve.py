@@ -12,19 +12,15 @@ import os
 import signal
 
 from pagedweight.policy.policies import POLICY_NAMES
+from pwgpu.commands import core_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the tiny default model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--mem-budget", default="64MiB", help="arena size for weights and KV, e.g. '64MiB', '70GiB'")
+    core_options.add_arguments(p, budget_default="64MiB")
     p.add_argument("--policy", default="pagedweight", choices=POLICY_NAMES)
-    p.add_argument("--page-bytes", help="pool page size, a power of two (default: >= 32KiB, one KV block at least)")
-    p.add_argument("--kv-block-tokens", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--max-model-len", type=int, help="context limit (default: the checkpoint's)")
     p.add_argument("--max-pending", type=int, default=64, help="unfinished requests before answering 429")
     p.add_argument("--max-body-bytes", default="1MiB", help="largest request body, e.g. '1MiB' (default: 1MiB)")
     p.add_argument("--history-window", type=int, default=10000,
@@ -40,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace):
     """(engine thread, FastAPI app) from parsed arguments."""
+    import dataclasses
+
     from pagedweight.config.scenario import parse_bytes
     from pagedweight.errors import ConfigError
     from pwgpu.default_model import default_model_dir
@@ -53,19 +51,8 @@ def build(args: argparse.Namespace):
     if args.workers < 1:
         raise ConfigError(f"--workers(={args.workers}) must be >= 1")
     model_dir = args.model or default_model_dir()
-    cfg = EngineConfig(
-        budget_bytes=parse_bytes(args.mem_budget),
-        policy=args.policy,
-        page_bytes=parse_bytes(args.page_bytes) if args.page_bytes else None,
-        kv_block_tokens=args.kv_block_tokens,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        device=args.device,
-        dtype=args.dtype,
-        importance=args.importance,
-        history_window=args.history_window or None,
-    )
+    core = dataclasses.replace(core_options.core_config(args), history_window=args.history_window or None)
+    cfg = EngineConfig(core, policy=args.policy, device=args.device, dtype=args.dtype, importance=args.importance)
     engine = Engine(model_dir, cfg)
     try:
         tokenizer = Tokenizer(model_dir)

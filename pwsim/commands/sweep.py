@@ -16,7 +16,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep", help="sweep YAML file")
     p.add_argument("--executor", choices=("local", "ray"), default="local", help="local process pool (default) or Ray")
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
-    p.add_argument("--workers", type=int, help="cells at once (local default: CPU count; Ray without --address: CPUs)")
+    p.add_argument(
+        "--workers",
+        "--jobs",
+        dest="workers",
+        type=int,
+        metavar="N",
+        help="cells at once, each in its own process (local default: the CPU count; Ray without --address: CPUs)",
+    )
     p.add_argument("--out", help="sweep directory (default runs/sweeps/<sweep name>)")
 
 

@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--time-unit", choices=["s", "ms"], help="unit of numeric timestamps (mooncake default ms, else s)")
     s.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    s.add_argument("--sort", action="store_true", help="accept timestamps out of order: sort by time (noted)")
 
     y = subs.add_parser("synth", help="generate a synthetic trace from a fitted preset")
     kinds = "; ".join(f"{k}: {v.description}" for k, v in SYNTH_PRESETS.items())
@@ -61,11 +62,11 @@ def _stats(args: argparse.Namespace) -> int:
         notes.append("no timestamps: lengths only")
     else:
         if fmt == "azure":
-            trace = tr.load_azure(args.file)
+            trace = tr.load_azure(args.file, sort=args.sort)
         elif fmt == "mooncake":
-            trace = tr.load_mooncake(args.file, unit)
+            trace = tr.load_mooncake(args.file, unit, sort=args.sort)
         elif fmt == "burstgpt":
-            trace = tr.load_burstgpt(args.file, time_unit=unit)
+            trace = tr.load_burstgpt(args.file, time_unit=unit, sort=args.sort)
         else:
             if not args.columns or len(args.columns.split(",")) != 3:
                 raise TraceError(
@@ -73,7 +74,7 @@ def _stats(args: argparse.Namespace) -> int:
                     f"(or --format azure|mooncake|burstgpt|sharegpt)"
                 )
             arrival, prompt, output = (c.strip() for c in args.columns.split(","))
-            trace = tr.load_generic(args.file, arrival, prompt, output, unit)
+            trace = tr.load_generic(args.file, arrival, prompt, output, unit, sort=args.sort)
         stats = trace_stats(trace)
         notes += trace.notes
     if args.json:

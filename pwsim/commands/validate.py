@@ -1,6 +1,6 @@
 """Compare a simulated and a real run of one scenario and print signed % errors.
 
-    pwsim validate --real DIR --sim DIR [--out validation.json] [--check]
+    pwsim validate --real DIR --sim DIR [--out DIR | --out FILE.json] [--check]
     pwsim validate SCENARIO [--policy NAME ...] [--out-dir DIR] [--check] [--calibrate [POLICIES]] [--profile]
 
 The second form runs both: the simulator here, and the real engine through the ``pwgpu run``
@@ -36,7 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim", help="results directory of a simulated (pwsim) run")
     p.add_argument("--policy", action="append", metavar="NAME", help="with SCENARIO: run only these policies")
     p.add_argument("--out-dir", help="with SCENARIO: where both runs go (default runs/<name>-validate)")
-    p.add_argument("--out", help="validation.json path (default: beside the simulated run)")
+    p.add_argument(
+        "--out",
+        help="a directory for validation.json and validation_report.html, or a FILE.json (the report goes "
+        "beside it); default: the simulated run's directory",
+    )
     p.add_argument("--check", action="store_true", help="exit 1 when an error is outside its bound")
     p.add_argument("--no-bounds", action="store_true", help="report errors without checking bounds (CPU runs)")
     p.add_argument(
@@ -82,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     v = compare(real_dir, sim_dir, bounds={} if args.no_bounds else None)
     if calibration:
         v["calibration"] = calibration
-    out = Path(args.out) if args.out else sim_dir / "validation.json"
+    out = _validation_path(args.out, sim_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(v, indent=2, default=float) + "\n")
     from pagedweight.results.report import write_report
@@ -96,6 +100,17 @@ def run(args: argparse.Namespace) -> int:
     print(format_validation(v))
     print(f"written: {out}, {page}")
     return EXIT_FAILED if args.check and not v["all_within_bounds"] else 0
+
+
+def _validation_path(out: str | None, sim_dir: Path) -> Path:
+    """Where validation.json goes: ``--out`` is a directory (both files go inside it) unless it
+    names a .json file (the report goes beside that)."""
+    if not out:
+        return sim_dir / "validation.json"
+    path = Path(out)
+    if path.suffix.lower() == ".json" and not path.is_dir():
+        return path
+    return path / "validation.json"
 
 
 def _calibrate_policies(args: argparse.Namespace, ran: list[str]) -> list[str]:

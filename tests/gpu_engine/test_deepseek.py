@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import build, make_checkpoint, run
 
+from pagedweight.core.runtime import CoreConfig
 from pagedweight.core.spec import PRECISION_ID, load_model
 from pagedweight.policy.controller import DOWNGRADE, Change
 from pwgpu.attention import build_batch
@@ -64,8 +65,8 @@ def test_arch_and_the_kv_bytes_the_scheduler_counts(checkpoints):
     assert (a.router_scoring, a.num_groups, a.topk_groups, a.routed_scaling_factor) == ("sigmoid", 4, 2, 2.5)
     spec = a.model_spec("v3", 4)
     assert spec.kv_bytes_per_token() == 3 * (32 + 8) * 4
-    eng = Engine(path, EngineConfig(budget_bytes=8 << 20, policy="static-fp16", page_bytes=1 << 14))
-    assert eng.kv_cache.block_bytes == eng.cfg.kv_block_tokens * eng.spec.kv_bytes_per_token()
+    eng = Engine(path, EngineConfig(CoreConfig(budget_bytes=8 << 20, page_bytes=1 << 14), policy="static-fp16"))
+    assert eng.kv_cache.block_bytes == eng.core.kv.block_tokens * eng.spec.kv_bytes_per_token()
     # The built-in DeepSeek-V3 spec is the same formula at full size: 61 x (512 + 64) x 2 bytes.
     assert load_model("deepseek-v3").kv_bytes_per_token() == 61 * (512 + 64) * 2
 
@@ -75,7 +76,7 @@ def test_engine_greedy_matches_transformers(checkpoints, family):
     """Two requests batched together through paged experts and the paged latent cache give
     transformers' greedy tokens (EOS is ignored on both sides)."""
     path, hf = checkpoints[family]
-    eng = Engine(path, EngineConfig(budget_bytes=8 << 20, policy="static-fp16", page_bytes=1 << 14))
+    eng = Engine(path, EngineConfig(CoreConfig(budget_bytes=8 << 20, page_bytes=1 << 14), policy="static-fp16"))
     prompts = [[5, 17, 42, 9, 33, 71, 2, 60], [7, 3, 88, 19, 64, 21, 50, 11, 45, 8, 30, 1, 2]]
     ers = [eng.add(p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)) for p in prompts]
     eng.run()
@@ -87,12 +88,56 @@ def test_engine_greedy_matches_transformers(checkpoints, family):
         assert er.output_ids == ref[0, len(p) :].tolist()
 
 
+def test_the_engine_reports_the_grouped_routers_choices_per_moe_layer(checkpoints, monkeypatch):
+    """What the controller's drift tracker sees of a DeepSeek-V3 step is what its grouped top-k
+    router chose: one row per MoE layer (the leading dense layer has none), each row the
+    router's expert ids of that layer counted, top_k per token, all inside topk_groups groups."""
+    import numpy as np
+
+    import pwgpu.model
+
+    path, _ = checkpoints["deepseek_v3"]
+    eng = Engine(path, EngineConfig(CoreConfig(budget_bytes=8 << 20, page_bytes=1 << 14), policy="static-fp16"))
+    a = eng.arch
+    num_moe = a.num_layers - a.num_dense_layers
+    assert a.num_dense_layers >= 1 and a.num_groups > 1 and num_moe >= 1
+    chosen, steps = [], []
+    route = pwgpu.model.route
+
+    def spy(*args, **kw):
+        ids, weights = route(*args, **kw)
+        chosen.append(ids.clone())
+        return ids, weights
+
+    def on_step(step):
+        steps.append((step.routing, step.shape.num_tokens, chosen.copy()))
+        chosen.clear()
+
+    monkeypatch.setattr(pwgpu.model, "route", spy)
+    eng.core.on_step = on_step
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for p in ([5, 17, 42, 9, 33, 71, 2, 60], [7, 3, 88, 19, 64]):
+        eng.add(p, params)
+    eng.run()
+    assert len(steps) >= 3
+    group_size = a.num_experts // a.num_groups
+    for counts, num_tokens, ids in steps:
+        assert counts.shape == (num_moe, a.num_experts) and len(ids) == num_moe
+        want = np.stack([np.bincount(i.reshape(-1).numpy(), minlength=a.num_experts) for i in ids])
+        np.testing.assert_array_equal(counts, want)
+        assert (counts.sum(axis=1) == num_tokens * a.top_k).all()
+        for i in ids:
+            assert max(len(set(row)) for row in (i // group_size).tolist()) <= a.topk_groups
+
+
 def test_triton_moe_through_the_arena_matches_reference(checkpoints):
     """256-expert-style routing in miniature: the fused Triton MoE kernel (interpreter on CPU)
     reads the engine's arena for experts at mixed precisions and gives the reference path's logits."""
     path, _ = checkpoints["deepseek_v3"]
-    cfg = dict(budget_bytes=8 << 20, policy="static-fp16", page_bytes=1 << 12, dtype="bfloat16")
-    engines = [Engine(path, EngineConfig(moe_kernel=k, **cfg)) for k in ("reference", "triton")]
+    core = CoreConfig(budget_bytes=8 << 20, page_bytes=1 << 12)
+    engines = [
+        Engine(path, EngineConfig(core, "static-fp16", dtype="bfloat16", moe_kernel=k)) for k in ("reference", "triton")
+    ]
     mix = [PRECISION_ID[p] for p in ("int4", "fp8")]  # every 3rd expert stays bf16
     prompt = [3, 14, 15, 92, 65, 35]
     logits = []
@@ -101,7 +146,7 @@ def test_triton_moe_through_the_arena_matches_reference(checkpoints):
         eng.core.apply([Change(DOWNGRADE, i, mix[i % 3]) for i in range(n) if i % 3 < 2])
         eng.store.refresh()
         blocks = eng.core.kv.allocate(1)
-        batch, pos = build_batch([(blocks, 0, len(prompt))], eng.cfg.kv_block_tokens, eng.device)
+        batch, pos = build_batch([(blocks, 0, len(prompt))], eng.core.kv.block_tokens, eng.device)
         logits.append(eng.model.logits(eng.model.forward(torch.tensor(prompt), pos, batch, eng.kv_cache)[-1:]))
     torch.testing.assert_close(logits[1], logits[0], rtol=2e-2, atol=2e-2)
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from pagedweight.core.pool import OWNER_KV
+from pagedweight.core.runtime import CoreConfig
 from pagedweight.core.scheduler import FINISHED, REJECTED
 from pagedweight.core.spec import PRECISION_ID
-from pagedweight.policy.controller import DOWNGRADE, Change, ControllerSettings
+from pagedweight.policy.controller import DOWNGRADE, UPGRADE, Change, ControllerSettings
 from pwgpu.attention import build_batch
 from pwgpu.default_model import write_random_mixtral
 from pwgpu.engine import Engine, EngineConfig
@@ -33,7 +34,7 @@ def test_engine_greedy_matches_transformers(checkpoints, family):
     """Two requests batched together (different lengths, so prefill and decode share steps)
     through paged experts and the paged KV cache give transformers' greedy tokens."""
     path, hf = checkpoints[family]
-    eng = Engine(path, EngineConfig(budget_bytes=8 << 20, policy="static-fp16", page_bytes=1 << 14))
+    eng = Engine(path, EngineConfig(CoreConfig(budget_bytes=8 << 20, page_bytes=1 << 14), policy="static-fp16"))
     prompts = [[5, 17, 42, 9, 33, 71, 2, 60], [7, 3, 88, 19, 64, 21, 50, 11, 45, 8, 30, 1, 2]]
     ers = [eng.add(p, greedy(32)) for p in prompts]
     eng.run()
@@ -44,7 +45,7 @@ def test_engine_greedy_matches_transformers(checkpoints, family):
 
 
 def test_sampling_seed_and_stop(tiny):
-    eng = Engine(tiny, EngineConfig(budget_bytes=16 << 20, policy="static-int8", page_bytes=PAGE_BYTES))
+    eng = Engine(tiny, EngineConfig(CoreConfig(budget_bytes=16 << 20, page_bytes=PAGE_BYTES), policy="static-int8"))
     prompt = list(range(40, 60))
     p = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, seed=123, ignore_eos=True)
     a, b, c = eng.add(prompt, p), eng.add(prompt, p), eng.add(prompt, SamplingParams(max_tokens=12, seed=7))
@@ -59,7 +60,7 @@ def test_sampling_seed_and_stop(tiny):
 
 
 def test_abort_frees_kv_and_rejects_impossible(tiny):
-    eng = Engine(tiny, EngineConfig(budget_bytes=16 << 20, policy="static-fp16", page_bytes=PAGE_BYTES))
+    eng = Engine(tiny, EngineConfig(CoreConfig(budget_bytes=16 << 20, page_bytes=PAGE_BYTES), policy="static-fp16"))
     er = eng.add(list(range(100)), greedy(200))
     for _ in range(3):
         eng.step()
@@ -79,15 +80,15 @@ def test_memory_pressure_downgrades_then_restores(tiny, tmp_path, device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     probe = Engine(
-        tiny, EngineConfig(budget_bytes=64 << 20, policy="static-fp16", page_bytes=PAGE_BYTES, device=device)
+        tiny,
+        EngineConfig(CoreConfig(budget_bytes=64 << 20, page_bytes=PAGE_BYTES), policy="static-fp16", device=device),
     )
     usage = probe.core.pool.usage()
     del probe
     num_pages = usage["pinned"] + usage["weight:bf16"] + 40
     ctl = ControllerSettings(horizon_steps=4, min_dwell_s=0.0, plan_interval_s=0.0, copy_budget_bytes_per_s=1e12)
-    cfg = EngineConfig(
-        budget_bytes=num_pages * PAGE_BYTES, policy="pagedweight", page_bytes=PAGE_BYTES, controller=ctl, device=device
-    )
+    core = CoreConfig(budget_bytes=num_pages * PAGE_BYTES, page_bytes=PAGE_BYTES, controller=ctl)
+    cfg = EngineConfig(core, policy="pagedweight", device=device)
     eng = Engine(tiny, cfg)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -123,7 +124,7 @@ def test_memory_pressure_downgrades_then_restores(tiny, tmp_path, device):
         if (eng.core.page_table.precision_ids == bf16).all():
             break
     assert (eng.core.page_table.precision_ids == bf16).all()
-    assert any(t[5] == "upgrade" for t in eng.core.transitions)
+    assert any(t.kind is UPGRADE for t in eng.core.transitions)
     meta = eng.write_results(tmp_path / "run")
     assert meta["runtime"] == "pwgpu" and meta["policies"]["pagedweight"]["completed"] == 6
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["runtime"] == "pwgpu"
@@ -134,9 +135,9 @@ def test_memory_pressure_downgrades_then_restores(tiny, tmp_path, device):
 def test_downgraded_expert_is_read_from_its_new_pages(tiny):
     """After a downgrade the forward pass uses the int4 bytes now in the pages: the logits move
     away from bf16 and equal those of an engine that started at int4."""
-    cfg = dict(budget_bytes=16 << 20, page_bytes=PAGE_BYTES)
-    a = Engine(tiny, EngineConfig(policy="static-fp16", **cfg))
-    b = Engine(tiny, EngineConfig(policy="static-int4", **cfg))
+    core = CoreConfig(budget_bytes=16 << 20, page_bytes=PAGE_BYTES)
+    a = Engine(tiny, EngineConfig(core, policy="static-fp16"))
+    b = Engine(tiny, EngineConfig(core, policy="static-int4"))
     prompt = list(range(10, 40))
     before = _last_logits(a, prompt)
     a.core.apply([Change(DOWNGRADE, i, PRECISION_ID["int4"]) for i in range(a.core.page_table.num_experts)])
@@ -150,8 +151,10 @@ def test_triton_moe_through_the_arena_matches_reference(checkpoints, family):
     """The fused Triton MoE kernel (interpreter on CPU) reads the engine's arena and page tables:
     experts at mixed precisions, pages scattered, give the reference path's logits."""
     path, _ = checkpoints[family]
-    cfg = dict(budget_bytes=8 << 20, policy="static-fp16", page_bytes=1 << 12, dtype="bfloat16")
-    engines = [Engine(path, EngineConfig(moe_kernel=k, **cfg)) for k in ("reference", "triton")]
+    core = CoreConfig(budget_bytes=8 << 20, page_bytes=1 << 12)
+    engines = [
+        Engine(path, EngineConfig(core, "static-fp16", dtype="bfloat16", moe_kernel=k)) for k in ("reference", "triton")
+    ]
     mix = [PRECISION_ID[p] for p in ("int4", "int8", "fp8", "int4")]  # every 5th expert stays bf16
     prompt = [3, 14, 15, 92, 65, 35, 89, 79]
     logits = []
@@ -164,14 +167,14 @@ def test_triton_moe_through_the_arena_matches_reference(checkpoints, family):
 
 def _last_logits(eng, prompt):
     eng.store.refresh()
-    blocks = eng.core.kv.allocate(-(-len(prompt) // eng.cfg.kv_block_tokens))
+    blocks = eng.core.kv.allocate(-(-len(prompt) // eng.core.kv.block_tokens))
     hidden = eng.model.forward(*_one_pass(eng, prompt, blocks))
     eng.core.kv.free(blocks)
     return eng.model.logits(hidden[-1:])
 
 
 def _one_pass(eng, prompt, blocks):
-    batch, pos = build_batch([(blocks, 0, len(prompt))], eng.cfg.kv_block_tokens, eng.device)
+    batch, pos = build_batch([(blocks, 0, len(prompt))], eng.core.kv.block_tokens, eng.device)
     return torch.tensor(prompt), pos, batch, eng.kv_cache
 
 
@@ -213,22 +216,22 @@ def test_default_model_resolution(tmp_path, monkeypatch):
     assert default_model.default_model_dir() == d
 
 
-def test_a_ladder_of_its_own_starts_at_the_checkpoint_format(tiny):
-    """paper-greedy's FP16/INT8/INT4: the top names the master's format, the rest are its
-    quantisations; a top that is another format is refused in one line."""
+def test_a_table_on_its_own_ladder_starts_at_the_checkpoint_format(tiny):
+    """paper-greedy's FP16/INT8/INT4 (the table of a scenario with that ladder): a 16-bit top is
+    the master's 16-bit format and the rest are its quantisations; another top is refused."""
     from pagedweight.errors import ConfigError
+    from pagedweight.policy.importance import on_ladder
 
-    cfg = dict(budget_bytes=16 << 20, page_bytes=PAGE_BYTES, policy="paper-greedy")
-    eng = Engine(tiny, EngineConfig(precisions=("fp16", "int8", "int4"), **cfg))
-    assert eng.table.ladder == ("bf16", "int8", "int4")
-    with pytest.raises(ConfigError, match="the first must be the checkpoint's format"):
-        Engine(tiny, EngineConfig(precisions=("int8", "int4"), **cfg))
-    with pytest.raises(ConfigError, match="'fp8-b128' is not allowed below bf16"):
-        Engine(tiny, EngineConfig(precisions=("bf16", "fp8-b128"), **cfg))
+    core = CoreConfig(budget_bytes=16 << 20, page_bytes=PAGE_BYTES)
+    full = Engine(tiny, EngineConfig(core, policy="static-fp16")).table
+    paper = Engine(tiny, EngineConfig(core, policy="paper-greedy"), on_ladder(full, ("bf16", "int8", "int4")))
+    assert paper.table.ladder == ("bf16", "int8", "int4")
+    with pytest.raises(ConfigError, match="must be the ladder's top"):
+        Engine(tiny, EngineConfig(core, policy="paper-greedy"), on_ladder(full, ("int8", "int4")))
 
 
 def test_on_logits_sees_what_each_request_samples_from(tiny):
-    eng = Engine(tiny, EngineConfig(budget_bytes=16 << 20, policy="static-int8", page_bytes=PAGE_BYTES))
+    eng = Engine(tiny, EngineConfig(CoreConfig(budget_bytes=16 << 20, page_bytes=PAGE_BYTES), policy="static-int8"))
     seen: dict[int, list[torch.Tensor]] = {}
     eng.on_logits = lambda ers, logits: [
         seen.setdefault(er.req.request_id, []).append(row) for er, row in zip(ers, logits, strict=True)

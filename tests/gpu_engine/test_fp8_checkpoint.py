@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import build, run, write_fp8_checkpoint
 
+from pagedweight.core.runtime import CoreConfig
 from pagedweight.core.spec import PRECISION_ID, PRECISION_NAMES
 from pagedweight.policy.controller import DOWNGRADE, UPGRADE, Change, ControllerSettings
 from pwgpu import fp8_checkpoint as fp8
@@ -32,17 +33,18 @@ def fp8_model(tmp_path_factory):
     return path, write_fp8_checkpoint("deepseek_v3", path, **SHAPE)
 
 
-def _engine(path, **kw):
-    cfg = dict(budget_bytes=16 << 20, policy="static-fp16", page_bytes=PAGE_BYTES) | kw
-    return Engine(path, EngineConfig(**cfg))
+def _engine(path, budget_bytes=16 << 20, page_bytes=PAGE_BYTES, controller=None, **kw):
+    core = CoreConfig(budget_bytes=budget_bytes, page_bytes=page_bytes, controller=controller or ControllerSettings())
+    return Engine(path, EngineConfig(core, **({"policy": "static-fp16"} | kw)))
 
 
 def _expert_bytes(eng, idx):
     """The bytes of expert ``idx``'s three matrices as its pages hold them, in matrix order."""
     pt, store = eng.core.page_table, eng.store
-    prec = PRECISION_NAMES[pt.precision_ids[idx]]
+    prec_id = int(pt.precision_ids[idx])
+    prec = PRECISION_NAMES[prec_id]
     out = []
-    for j, pages in enumerate(store._matrix_pages(prec, pt.pages[idx])):
+    for j, pages in enumerate(pt.matrix_pages(prec_id, pt.pages[idx])):
         size = matrix_layout(prec, *store.masters.shape(j)).total_bytes
         out.append(torch.cat([store.arena[p * PAGE_BYTES : (p + 1) * PAGE_BYTES] for p in pages.tolist()])[:size])
     return out
@@ -115,14 +117,14 @@ def test_memory_pressure_moves_fp8_experts_to_int4_and_back(fp8_model):
     ers = [eng.add([(7 * i + j) % 96 for j in range(64)], params) for i in range(6)]
     eng.run()
     assert all(len(er.output_ids) == 48 for er in ers) and sum(er.req.num_preemptions for er in ers) == 0
-    kinds = {(t[3], t[4], t[5]) for t in eng.core.transitions}
-    assert ("fp8-b128", "int4", "downgrade") in kinds
+    kinds = {(t.from_precision, t.to_precision, t.kind) for t in eng.core.transitions}
+    assert ("fp8-b128", "int4", DOWNGRADE) in kinds
     for _ in range(200):
         eng.idle_tick()
         if (eng.core.page_table.precision_ids == fp8_id).all():
             break
     assert (eng.core.page_table.precision_ids == fp8_id).all()
-    assert ("int4", "fp8-b128", "upgrade") in {(t[3], t[4], t[5]) for t in eng.core.transitions}
+    assert ("int4", "fp8-b128", UPGRADE) in {(t.from_precision, t.to_precision, t.kind) for t in eng.core.transitions}
 
 
 def test_triton_moe_reads_fp8_block_experts_from_the_arena(fp8_model):
@@ -195,8 +197,8 @@ def test_unknown_quantization_methods_are_refused_by_name(fp8_model, tmp_path, m
 
 def _last_logits(eng, prompt):
     eng.store.refresh()
-    blocks = eng.core.kv.allocate(-(-len(prompt) // eng.cfg.kv_block_tokens))
-    batch, pos = build_batch([(blocks, 0, len(prompt))], eng.cfg.kv_block_tokens, eng.device)
+    blocks = eng.core.kv.allocate(-(-len(prompt) // eng.core.kv.block_tokens))
+    batch, pos = build_batch([(blocks, 0, len(prompt))], eng.core.kv.block_tokens, eng.device)
     hidden = eng.model.forward(torch.tensor(prompt), pos, batch, eng.kv_cache)
     eng.core.kv.free(blocks)
     return eng.model.logits(hidden[-1:])[0]

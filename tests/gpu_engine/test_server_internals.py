@@ -8,6 +8,7 @@ import threading
 import httpx
 import pytest
 
+from pagedweight.core.runtime import CoreConfig
 from pwgpu.default_model import write_random_mixtral
 from pwgpu.engine import Engine, EngineConfig
 from pwgpu.engine_thread import EngineThread
@@ -39,7 +40,7 @@ class RecordingTokenizer(Tokenizer):
 
 
 def test_tokenizing_and_detokenizing_run_off_the_event_loop(model_dir):
-    engine = Engine(model_dir, EngineConfig(budget_bytes=24 << 20))
+    engine = Engine(model_dir, EngineConfig(CoreConfig(budget_bytes=24 << 20)))
     runner = EngineThread(engine).start()
     tok = RecordingTokenizer(model_dir)
     app = build_app(runner, tok, ServerSettings(model_name="m", max_prompt_tokens=400, max_tokens_limit=100))
@@ -69,7 +70,7 @@ def test_tokenizing_and_detokenizing_run_off_the_event_loop(model_dir):
 def test_metrics_scrape_does_not_grow_with_history(model_dir):
     """Counters and histograms are updated in place: the scrape after 100,000 requests has the
     same series as after one, and it never walks the transitions log."""
-    engine = Engine(model_dir, EngineConfig(budget_bytes=24 << 20))
+    engine = Engine(model_dir, EngineConfig(CoreConfig(budget_bytes=24 << 20)))
 
     class NoScan(list):
         def __iter__(self):
@@ -107,7 +108,7 @@ def test_history_window_bounds_records_steps_and_transitions(model_dir, tmp_path
     from pagedweight.core.spec import PRECISION_ID
     from pagedweight.policy.controller import DOWNGRADE, Change
 
-    engine = Engine(model_dir, EngineConfig(budget_bytes=24 << 20, policy="static-fp16", history_window=10))
+    engine = Engine(model_dir, EngineConfig(CoreConfig(budget_bytes=24 << 20, history_window=10), policy="static-fp16"))
     for i in range(40):  # one at a time: two steps each
         engine.add([1 + i % 50] * 8, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         engine.run()
@@ -115,7 +116,7 @@ def test_history_window_bounds_records_steps_and_transitions(model_dir, tmp_path
     core.apply([Change(DOWNGRADE, i, PRECISION_ID["int8"]) for i in range(core.page_table.num_experts)])
     assert len(engine.records) == 10 and [r.request_id for r in engine.records] == list(range(30, 40))
     assert len(core.steps) == 10 and core.steps.num_recorded > 10
-    assert core.num_transitions["downgrade"] == core.page_table.num_experts > 10 and len(core.transitions) == 10
+    assert core.num_transitions[DOWNGRADE] == core.page_table.num_experts > 10 and len(core.transitions) == 10
     meta = engine.write_results(tmp_path / "out")
     assert "the newest 10 of 40 requests" in meta["trace"]["notes"][0]
     steps = pd.read_csv(tmp_path / "out" / "steps.csv")
