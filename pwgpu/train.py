@@ -539,6 +539,10 @@ def train(cfg: TrainConfig, progress=print) -> dict:
             log["history"].append(rec)
             progress(json.dumps(rec))
         if time.monotonic() - last_save >= cfg.save_every_min * 60:
+            # The run's row as it stands, so that a run that is killed still counts what it did.
+            run_rec.update(
+                steps=step - run_start_step, tokens=tokens - run_start_tokens, elapsed_s=round(time.monotonic() - t0, 1)
+            )
             # A quick look on the first 4k tokens: the full held-out sets take a minute on 2 cores.
             quick = {d: ids[:4096] for d, ids in eval_ids.items()}
             total = elapsed_before + time.monotonic() - t0
