@@ -129,7 +129,9 @@ class WeightStore:
         self._dirty: set[int] = set()
         self._copies: list[tuple[Transition, object]] = []  # upgrades in flight: (transition, event or None)
         self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._dense: dict[int, tuple] = {}  # CPU: expert -> (its pages array, (dense w1, w3, w2))
+        # CPU: MoE layer -> (w1 over w3 [E, 2F, H], w2 [E, H, F], per expert the pages array its
+        # rows were dequantised from, or None)
+        self._dense: dict[int, tuple] = {}
         self.h2d_bytes = 0
         self.pinned_outside_bytes = 0
 
@@ -213,24 +215,28 @@ class WeightStore:
             from pwgpu.kernels.moe_gemm import fused_moe
 
             return fused_moe(x, topk_ids, topk_w, experts, activation=self.activation)
-        from pwgpu.kernels.reference import moe_ffn_dense_ref
+        from pwgpu.cpu_kernels import moe_ffn_grouped
 
-        # CPU path: dequantise each used expert from its pages once and keep the dense copy
-        # until the page table points the expert elsewhere (a flip gives it a new pages array).
-        # Dequantising every used expert on every step cost 80% of a step (96 int4 matrices:
-        # ~400 ms per step of the default model on two cores).
-        pt, e_num = self.core.page_table, self.num_experts
-        used = set(torch.unique(topk_ids).tolist())
-        mats: list[list] = [[None] * e_num for _ in range(3)]
-        for e in used:
-            idx = moe_layer * e_num + e
-            hit = self._dense.get(idx)
-            if hit is None or hit[0] is not pt.pages[idx]:
-                ws = tuple(experts.dequantize_matrix(e, j, CPU_DENSE_DTYPE) for j in range(3))
-                hit = self._dense[idx] = (pt.pages[idx], ws)
-            for j in range(3):
-                mats[j][e] = hit[1][j]
-        return moe_ffn_dense_ref(x, topk_ids, topk_w, *mats, self.activation)
+        # CPU path: dequantise each used expert from its pages once, into the layer's stacked
+        # dense weights, and keep it until the page table points the expert elsewhere (a flip
+        # gives it a new pages array). Dequantising every used expert on every step cost 80% of
+        # a step (96 int4 matrices: ~400 ms per step of the default model on two cores).
+        pt, e_num, ffn = self.core.page_table, self.num_experts, self.ffn_size
+        counts = torch.bincount(topk_ids.reshape(-1), minlength=e_num).tolist()
+        dense = self._dense.get(moe_layer)
+        if dense is None:  # pages of experts never used are never touched
+            w13 = torch.empty(e_num, 2 * ffn, self.hidden_size, dtype=CPU_DENSE_DTYPE)
+            w2 = torch.empty(e_num, self.hidden_size, ffn, dtype=CPU_DENSE_DTYPE)
+            dense = self._dense[moe_layer] = (w13, w2, [None] * e_num)
+        w13, w2, filled_from = dense
+        for e, n in enumerate(counts):
+            pages = pt.pages[moe_layer * e_num + e]
+            if n and filled_from[e] is not pages:
+                w13[e, :ffn] = experts.dequantize_matrix(e, 0, CPU_DENSE_DTYPE)
+                w13[e, ffn:] = experts.dequantize_matrix(e, 1, CPU_DENSE_DTYPE)
+                w2[e] = experts.dequantize_matrix(e, 2, CPU_DENSE_DTYPE)
+                filled_from[e] = pages
+        return moe_ffn_grouped(x, topk_ids, topk_w, w13, w2, counts, self.activation)
 
     # ---- writing experts ------------------------------------------------------------------
     def _write_expert(self, idx: int, precision_id: int, pages: np.ndarray) -> None:
