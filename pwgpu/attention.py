@@ -84,11 +84,14 @@ class PagedKvCache:
         size = (num_pages, blocks_per_page, num_layers, num_parts, block_tokens, num_kv_heads, head_dim)
         self.view = torch.as_strided(typed, size, strides)  # [pages, bpp, L, parts, T_blk, Hkv, D]
         # Pages holding their blocks back to back (no slack at the end) make block b start at
-        # b * block_bytes: then whole blocks are gathered by one index_select, where indexing by
-        # (page, slot) copies element by element.
+        # b * block_bytes: the arena is then rows of one block's one layer's K or V, in order
+        # (block, layer, part), and a request's context is gathered by one index_select of
+        # whole rows, where indexing by (page, slot) copies element by element.
         self.blocks: torch.Tensor | None = None  # [blocks, L, parts, T_blk, Hkv, D]
+        self.rows: torch.Tensor | None = None  # the same, contiguous: [blocks * L * parts, T_blk * Hkv * D]
         if blocks_per_page * self.block_bytes == page_bytes:
             self.blocks = torch.as_strided(typed, (num_pages * blocks_per_page, *size[2:]), strides[1:])
+            self.rows = typed.view(-1, block_tokens * tok)
 
     def write(
         self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None
@@ -113,8 +116,10 @@ class PagedKvCache:
         """block_table [B, M] -> part ``part`` (0: K or MLA's latent, 1: V) [B, M * T_blk, Hkv, D]."""
         b, m = block_table.shape
         shape = (b, m * self.block_tokens, self.num_kv_heads, self.head_dim)
-        if self.blocks is not None:
-            return self.blocks[:, layer, part].index_select(0, block_table.reshape(-1)).view(shape)
+        if self.rows is not None:
+            per_block = self.num_layers * self.num_parts
+            rows = block_table.reshape(-1) * per_block + (layer * self.num_parts + part)
+            return self.rows.index_select(0, rows).view(shape)
         page, slot = block_table // self.blocks_per_page, block_table % self.blocks_per_page
         return self.view[page, slot, layer, part].reshape(shape)  # [B, M, T_blk, Hkv, D] -> [B, C, Hkv, D]
 

@@ -27,7 +27,6 @@ from pwgpu.kernels.paging import PagedExperts
 from pwgpu.loader import DTYPES, default_dtype_name
 from pwgpu.mla import latent_attention
 from pwgpu.model import Rope, rms_norm
-from pwgpu.weights import CPU_DENSE_DTYPE
 
 MiB = 1 << 20
 NOTES = (
@@ -206,7 +205,7 @@ class Profiler:
         if on_gpu:
             from pwgpu.kernels.moe_gemm import fused_moe as run_moe
         else:
-            from pwgpu.kernels.reference import moe_ffn_dense_ref
+            from pwgpu.cpu_kernels import dense_expert, moe_ffn_grouped
         for prec in self.precisions:
             experts = PagedExperts.from_dense(
                 w1, w3, w2, [prec] * num, quantizer="triton" if on_gpu else "reference", scatter_seed=0
@@ -214,7 +213,7 @@ class Profiler:
             if not on_gpu:
                 # The CPU engine dequantises an expert once per precision change and then runs
                 # dense matmuls (pwgpu/weights.py): time that, not a dequantisation per call.
-                dense = [[experts.dequantize_matrix(i, j, CPU_DENSE_DTYPE) for i in range(num)] for j in range(3)]
+                dense = list(zip(*(dense_expert(experts, i) for i in range(num)), strict=True))  # (w13s, w2s)
             for e in es:
                 # The first e experts as a layer of their own: the kernel sizes blocks by m.
                 sub = PagedExperts(experts.pool, experts.page_offsets, experts.first_page[:e], (prec,) * e, h, f,
@@ -226,7 +225,7 @@ class Profiler:
                     if on_gpu:
                         fn = lambda x=x, ids=ids, w=weights, s=sub: run_moe(x, ids, w, s)  # noqa: E731
                     else:
-                        fn = lambda x=x, ids=ids, w=weights, d=dense: moe_ffn_dense_ref(x, ids, w, *d)  # noqa: E731
+                        fn = lambda x=x, ids=ids, w=weights, c=[m] * e, d=dense: moe_ffn_grouped(x, ids, w, *d, c)  # noqa: E731
                     self._record("moe_ffn", fn, precision=prec, m=m, e=e, n=f, k=h)
             del experts
         if on_gpu:

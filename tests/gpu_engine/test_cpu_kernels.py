@@ -1,12 +1,14 @@
 """The CPU engine's fast paths against the references they replace: the grouped MoE FFN against
-``moe_ffn_dense_ref`` (bit-identical with top-2 routing), the SDPA paged decode against
+``moe_ffn_dense_ref`` (bit-identical with top-2 routing, also over the dense copies the
+engine keeps: bf16 experts in bf16, others in fp32), the SDPA paged decode against
 ``paged_decode_ref``, and the whole-block KV gather against indexing by (page, slot)."""
 
 import pytest
 import torch
 
 from pwgpu.attention import PagedKvCache, paged_decode_ref
-from pwgpu.cpu_kernels import moe_ffn_grouped, paged_decode_sdpa
+from pwgpu.cpu_kernels import dense_expert, moe_ffn_grouped, paged_decode_sdpa
+from pwgpu.kernels.paging import PagedExperts
 from pwgpu.kernels.reference import moe_ffn_dense_ref
 
 
@@ -32,16 +34,34 @@ def test_grouped_moe_matches_reference(t, k, dtype, activation):
     ids, w = routed(t, e, k, seed=t, unused=(3,))  # one expert gets no token
     w = w.to(dtype)
     want = moe_ffn_dense_ref(x, ids, w, list(w1), list(w3), list(w2), activation)
-    w13 = torch.cat([w1, w3], dim=1)
-    w13[3] = float("nan")  # an expert without tokens is never read: its rows may be stale
+    w13 = list(torch.cat([w1, w3], dim=1))
+    w13[3] = None  # an expert without tokens is never read
     counts = torch.bincount(ids.reshape(-1), minlength=e).tolist()
-    got = moe_ffn_grouped(x, ids, w, w13, w2, counts, activation)
+    got = moe_ffn_grouped(x, ids, w, w13, list(w2), counts, activation)
     assert got.dtype == dtype
     if k == 2 and dtype == torch.float32:
         assert torch.equal(got, want)  # the same two products summed: bit-identical
     else:
         tol = 1e-6 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+def test_dense_experts_from_pages_give_the_reference(precision):
+    """The engine's CPU copies: a bf16 expert kept in bf16 (upcast exactly per use), an int4
+    one dequantised to fp32; both give the reference over the same dequantised weights, bit
+    for bit."""
+    torch.manual_seed(3)
+    e, h, f = 4, 64, 128
+    mats = [list(torch.randn(e, *shape).bfloat16()) for shape in ((f, h), (f, h), (h, f))]
+    experts = PagedExperts.from_dense(*mats, [precision] * e, page_bytes=1 << 12, scatter_seed=1)
+    w13, w2 = zip(*(dense_expert(experts, i) for i in range(e)), strict=True)
+    assert w13[0].dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+    x = torch.randn(5, h)
+    ids, w = routed(5, e, 2, seed=4)
+    counts = torch.bincount(ids.reshape(-1), minlength=e).tolist()
+    ref = [[experts.dequantize_matrix(i, j, torch.float32) for i in range(e)] for j in range(3)]
+    assert torch.equal(moe_ffn_grouped(x, ids, w, w13, w2, counts), moe_ffn_dense_ref(x, ids, w, *ref))
 
 
 def make_cache(blocks_per_page, slack_bytes, dtype=torch.float32, num_pages=10):
