@@ -11,8 +11,8 @@ shared RoPE key, ``[L, 1, T_blk, 1, kv_lora_rank + qk_rope_head_dim]`` (``pwgpu.
 - ``paged_attention``: every request with one new token (the decodes, also in a batch mixed
   with prefill chunks) goes through one batched ``paged_decode`` call (Triton on CUDA,
   ``cpu_kernels.paged_decode_sdpa`` elsewhere; both are tested against ``paged_decode_ref``);
-  each prefill chunk gathers its request's context and uses
-  SDPA with a causal mask offset by the tokens already cached.
+  each prefill chunk gathers its request's context and uses SDPA with a causal mask offset by
+  the tokens already cached.
 
 Shape legend: T = new tokens, B = requests, Hq / Hkv = query / KV heads, D = head dim,
 L = layers, M = max blocks per request, T_blk = tokens per block, C = context tokens.

@@ -1,6 +1,7 @@
-"""The CPU engine's two hot loops, written for few, large operator calls: on a small model
-each PyTorch call costs more in dispatch (and, with several threads, in waking them) than in
-arithmetic, so a decode step's cost was the number of calls, not the bytes.
+"""The CPU engine's two hot loops, written for few operator calls and few bytes: a decode
+step of a small model is bound by memory traffic (expert weights, the KV context) and by the
+number of PyTorch calls (each a dispatch and, with several threads, a wake-up of the others),
+not by arithmetic.
 
 - ``moe_ffn_grouped``: the routed-expert FFN over dense per-expert weights. Token-expert
   pairs are sorted by expert once; each used expert is then one gate-and-up matmul (w1 and w3
