@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F_
 
-from pagedweight.config.kernel_table import KEY_COLUMNS
+from pagedweight.config.kernel_table import KEY_COLUMNS, OP_GROUPS
 from pagedweight.core.spec import PRECISION_NAMES, ModelSpec
 from pagedweight.errors import ConfigError
 from pwgpu.attention import PagedKvCache, build_batch, paged_attention
@@ -44,6 +44,11 @@ NOTES = (
     "as one matrix)",
     "lm_head: final RMSNorm, LM head and greedy sampling for m sequences",
     "quantize: one master [n, k] matrix into a standalone packed blob",
+    "dequantize (CPU only): one [n, k] matrix read from its pages into the fp32 copy the CPU engine "
+    "keeps per expert; it runs again on an expert's first use after each precision change (GPU kernels "
+    "dequantise inside the MoE call: no rows)",
+    "meta 'upgrades': synchronous on a CPU (no copy stream: an upgrade is written inside the step that "
+    "starts it), asynchronous on a GPU (a side stream overlaps the copy with compute)",
 )
 
 
@@ -341,6 +346,22 @@ class Profiler:
                     w = self._randn(n, k, scale=0.02, dtype=self.master_dtype)
                     self._record("quantize", lambda w=w, p=prec: run_quant(w, p), precision=prec, n=n, k=k)
 
+    def dequantize(self) -> None:
+        """The CPU engine's dequantisation of one expert matrix from its pages into the fp32
+        copy its dense MoE path multiplies by (``pwgpu.weights.WeightStore.moe_ffn``). A GPU's
+        MoE kernel reads the packed pages itself: nothing to time there."""
+        if self.device.type == "cuda":
+            return
+        h, f = self.model.hidden_size, self.model.expert_ffn_size
+        for prec in self.precisions:
+            for n in sorted({h, f}):
+                for k in sorted({h, f}):  # the full cross product, as for quantize
+                    # One expert whose first matrix is [n, k] (w1, w3 [n, k]; w2 [k, n]).
+                    w = self._randn(n, k, scale=0.02, dtype=self.master_dtype)
+                    experts = PagedExperts.from_dense([w], [w], [w.T.contiguous()], [prec], scatter_seed=0)
+                    fn = lambda x=experts: x.dequantize_matrix(0, 0, CPU_DENSE_DTYPE)  # noqa: E731
+                    self._record("dequantize", fn, precision=prec, n=n, k=k)
+
     def h2d_copy(self) -> None:
         for num_bytes in self.grid.h2d_bytes:
             src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
@@ -362,7 +383,7 @@ def profile(
     grid_name: str | Grid = "small",
     device: str | torch.device | None = None,
     precisions: tuple[str, ...] = PRECISION_NAMES,
-    ops: tuple[str, ...] = ("moe_ffn", "attention", "dense", "quantize", "h2d_copy"),
+    ops: tuple[str, ...] = OP_GROUPS,
     on_progress: Callable[[pd.DataFrame, dict], None] | None = None,
     dtype: str | None = None,
 ) -> tuple[pd.DataFrame, dict]:
@@ -385,7 +406,8 @@ def profile(
         for model in models:
             prof = Profiler(model, grid, dev, precisions, DTYPES[dtype])
             steps = {"moe_ffn": prof.moe_ffn, "attention": prof.attention, "dense": prof.dense_and_head,
-                     "quantize": prof.quantize, "h2d_copy": prof.h2d_copy}  # fmt: skip
+                     "quantize": prof.quantize, "dequantize": prof.dequantize,
+                     "h2d_copy": prof.h2d_copy}  # fmt: skip
             for op in ops:
                 steps[op]()
                 if on_progress is not None:
@@ -423,5 +445,6 @@ def _meta(device: torch.device, grid: Grid, models: list[ModelSpec], dtype: str)
         "flush_bytes": FLUSH_BYTES.get(device.type, 64 << 20),
         "path": "triton kernels" if on_gpu else "pytorch reference (CPU engine path)",
         "threads": torch.get_num_threads(),
+        "upgrades": "asynchronous" if on_gpu else "synchronous",
         "notes": list(NOTES),
     }

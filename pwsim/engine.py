@@ -28,7 +28,7 @@ from simpy.events import Event
 from pagedweight.core.pagetable import Transition
 from pagedweight.core.runtime import CoreConfig, Executed, RuntimeCore, Step
 from pagedweight.core.scheduler import Request
-from pagedweight.policy.controller import DOWNGRADE
+from pagedweight.policy.controller import DOWNGRADE, UPGRADE
 from pagedweight.policy.importance import ImportanceTable
 from pagedweight.workload.traces import RequestTrace
 from pwsim.routing import RoutingSampler
@@ -78,10 +78,17 @@ class SimEngine:
         self._engine_wake: Event | None = None
         self._arrivals_done = False
         self._kv_bytes_per_token = self.model.kv_bytes_per_token()
+        # A CPU latency table (pwsim.table_latency): the engine keeps an fp32 copy of each expert,
+        # made on its first use after every precision change, and writes upgrades inside the step
+        # that starts them (no copy stream).
+        self._dequantize = bool(getattr(latency, "has_dequantize", False))
+        self._sync_upgrades = bool(getattr(latency, "synchronous_upgrades", False))
+        self._copy_current = np.zeros(self.model.num_moe_layers * self.model.num_experts, dtype=bool)
+        self._expert_dequantize_s: dict[int, float] = {}
 
     # ---- TransitionBackend: what a precision change costs in simulated time -------------------
     def downgrade(self, t: Transition) -> None:
-        pass  # its quantise time is charged to the step that made it (``_execute``)
+        self._copy_current[t.expert] = False  # its quantise time is charged to the step that made it
 
     def poll(self) -> None:
         pass  # the copy engine flips each upgrade when its copy lands (``copy_engine``)
@@ -118,9 +125,11 @@ class SimEngine:
             t = self._copy_queue.popleft()
             if in_flight.get(t.expert) is not t:
                 continue  # aborted before its copy started
-            yield UrgentTimeout(env, self.latency.h2d_time_s(t.num_bytes))
+            # A synchronous upgrade was written (and timed) in the step that started it.
+            yield UrgentTimeout(env, 0.0 if self._sync_upgrades else self.latency.h2d_time_s(t.num_bytes))
             self.bytes_h2d += t.num_bytes
             if self.core.complete_upgrade(t):
+                self._copy_current[t.expert] = False
                 self._wake_engine()
 
     def _wake_engine(self) -> None:
@@ -152,8 +161,10 @@ class SimEngine:
         # step that needs the freed pages waits for them.
         quantize_s = 0.0
         for c in step.changes:
-            if c.kind is DOWNGRADE:
+            if c.kind is DOWNGRADE or (c.kind is UPGRADE and self._sync_upgrades):
                 quantize_s += sum(latency.quantize_time_s(n, k, c.to_id) for _, n, k in self.model.expert_matrices)
+        if self._dequantize:
+            quantize_s += self._dequantize_s(tokens)
         duration_s = latency.step_time_s(shape, tokens, self.core.precision_grid) + quantize_s
         batch = step.batch
         swapped_bytes = (batch.swapped_out_tokens + batch.swapped_in_tokens) * self._kv_bytes_per_token
@@ -161,6 +172,24 @@ class SimEngine:
             duration_s += latency.h2d_time_s(swapped_bytes)
             self.bytes_h2d += batch.swapped_in_tokens * self._kv_bytes_per_token
         return Executed(duration_s, swapped_bytes, wait=self.env.timeout(duration_s))
+
+    def _dequantize_s(self, tokens: np.ndarray) -> float:
+        """The fp32 expert copies a CPU engine makes this step: every routed expert whose copy
+        predates its last precision change (or that has none yet)."""
+        used = tokens.ravel() > 0
+        stale = used & ~self._copy_current
+        if not stale.any():
+            return 0.0
+        self._copy_current |= used
+        total_s = 0.0
+        for pid in self.core.page_table.precision_ids[stale].tolist():
+            s = self._expert_dequantize_s.get(pid)
+            if s is None:
+                s = self._expert_dequantize_s[pid] = sum(
+                    self.latency.dequantize_time_s(n, k, pid) for _, n, k in self.model.expert_matrices
+                )
+            total_s += s
+        return total_s
 
     def run(self, progress=None) -> None:
         """Run to the last request. ``progress(now_s)`` is called every 1/200 of the trace."""
