@@ -2,8 +2,9 @@
 
 Times the MoE expert FFN per precision over tokens-per-expert x active experts, attention
 prefill and decode, the dense per-layer ops, the LM head, quantisation, the CPU engine's
-dequantisation and host-to-device copies, and writes the long CSV of pagedweight/config/kernel_table.py plus its .meta.yaml. On a
-machine without a GPU it times the CPU engine's PyTorch path (use --scenario or --grid small).
+dequantisation and host-to-device copies, and writes the long CSV of
+pagedweight/config/kernel_table.py plus its .meta.yaml. On a machine without a GPU it times the
+CPU engine's PyTorch path (use --scenario or --grid small).
 """
 
 from __future__ import annotations
