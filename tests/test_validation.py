@@ -138,3 +138,21 @@ def test_unknown_calibration_policy_is_refused_before_any_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "static-fp8" in err and "allowed: static-fp16, pagedweight" in err
     assert not out.exists()  # nothing ran
+
+
+def test_threads_reach_the_profiler_and_the_engine(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    scenario = Path(__file__).parent.parent / "scenarios" / "cpu_validate.yaml"
+    envs = []
+
+    def fake_run(cmd, env=None):
+        envs.append(env)
+        return subprocess.CompletedProcess(cmd, 1)  # stop after the first subprocess
+
+    monkeypatch.setattr("pwsim.commands.validate.subprocess.run", fake_run)
+    out = tmp_path / "v"
+    assert main(["validate", str(scenario), "--profile", "--threads", "1", "--out-dir", str(out)]) != 0
+    assert envs and envs[0]["OMP_NUM_THREADS"] == "1" and "profiling failed" in capsys.readouterr().err
+    assert main(["validate", str(scenario), "--threads", "0", "--out-dir", str(out)]) != 0
+    assert "--threads 0: must be at least 1" in capsys.readouterr().err
