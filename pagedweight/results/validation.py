@@ -126,6 +126,8 @@ def compare(real_dir: str | Path, sim_dir: str | Path, bounds: dict[str, float] 
                 "first_sim_s": float(st["time_s"].min()) if len(st) else None,
             }
         out["policies"][policy] = entry
+    if real_steps is not None:
+        _add_real_drift(out, real_steps)
     if real.get("out_of_grid") or sim.get("out_of_grid"):
         out["out_of_grid"] = sim.get("out_of_grid")
     checked = [row["ok"] for e in out["policies"].values() for row in e["metrics"].values() if row["ok"] is not None]
@@ -143,6 +145,35 @@ def _shape_bucket(steps: pd.DataFrame) -> pd.Series:
     names = [f"{'decode' if d else 'prefill'} {a}-{b}" if a < b else f"{'decode' if d else 'prefill'} {b}"
              for d, a, b in zip(decode, lo, hi, strict=True)]  # fmt: skip
     return pd.Series(names, index=steps.index)
+
+
+def _quiet_medians(steps: pd.DataFrame) -> pd.Series:
+    """Median step time per shape class of the steps without precision changes."""
+    quiet = steps[(steps["num_downgrades"] == 0) & (steps["num_upgrades"] == 0)]
+    return quiet.groupby(_shape_bucket(quiet))["duration_s"].median()
+
+
+def _add_real_drift(out: dict, real_steps: pd.DataFrame) -> None:
+    """How long the real steps of each policy took against the first policy's steps of the same
+    shape class (both without precision changes). Where a policy's work per shape is the same
+    (on a CPU every expert multiplies in fp32 whatever its precision), a ratio away from 1 is the
+    machine's speed moving between the two real runs, which a calibration fitted on one run
+    cannot carry to the other: the out-of-sample errors inherit it."""
+    policies = [p for p in out["policies"] if p in set(real_steps["policy"])]
+    if len(policies) < 2:
+        return
+    ref = policies[0]
+    ref_med = _quiet_medians(real_steps[real_steps["policy"] == ref])
+    for policy in policies[1:]:
+        med = _quiet_medians(real_steps[real_steps["policy"] == policy])
+        shared = sorted(set(ref_med.index) & set(med.index), key=_bucket_order)
+        if shared:
+            ratios = {b: float(med[b] / ref_med[b]) for b in shared}
+            out["policies"][policy]["real_step_ratio"] = {
+                "vs": ref,
+                "by_shape": ratios,
+                "median": float(np.median(list(ratios.values()))),
+            }
 
 
 def step_time_by_shape(real_steps: pd.DataFrame, sim_steps: pd.DataFrame) -> list[dict]:
@@ -226,6 +257,13 @@ def format_validation(v: dict) -> str:
                     f"      {row['shape']:20s} real {row['real_median_ms']:8.2f} ms ({row['real_steps']:4d})  "
                     f"sim {row['sim_median_ms']:8.2f} ms ({row['sim_steps']:4d})  {row['error_perc']:+7.1f}%"
                 )
+        if e.get("real_step_ratio"):
+            d = e["real_step_ratio"]
+            lines.append(
+                f"    real steps of the same shape took x{d['median']:.2f} as long as in {d['vs']}'s real run ("
+                + ", ".join(f"{b} x{x:.2f}" for b, x in d["by_shape"].items())
+                + "): the machine's drift between the runs, where the policies' work per shape is the same"
+            )
         if "suggested_extra_step_overhead_s" in e:
             st = e["mean_step_s"]
             lines.append(
