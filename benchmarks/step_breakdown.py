@@ -30,6 +30,8 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parent.parent
 # (measured, table) column pairs, in the order printed.
 OPS = ("attention", "dense", "moe", "head", "dequantize", "transitions", "host_in_step")
+# What _instrument times, seconds per step.
+TIMERS = ("attn", "kv_write", "moe_call", "dequantize", "forward", "logits", "sample", "downgrade", "upgrade")
 
 
 def _instrument():
@@ -178,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(cmd, check=True)
     steps = serve(args.scenario, args.policy, out / "run")
     d = pd.concat([steps, predict(steps, args.scenario, table)], axis=1).fillna(0.0)
+    for timer in TIMERS:  # a timer whose op never ran in this run (a static policy's writes)
+        if timer not in d:
+            d[timer] = 0.0
     d["attention"] = d["attn"] + d["kv_write"]
     d["moe"] = d["moe_call"] - d["dequantize"]
     d["head"] = d["logits"] + d["sample"]
