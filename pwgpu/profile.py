@@ -40,8 +40,8 @@ NOTES = (
     "engine's batched paged decode for batch requests of kv_len tokens each (MLA specs: the latent "
     "written into the blocks and the engine's absorbed latent attention, pwgpu/mla.py)",
     "dense: one layer's non-expert work as the engine runs it: two RMSNorms, the q/k/v/o projections, "
-    "RoPE, the router softmax and top-k, shared experts, residual adds (MLA: the attention parameters "
-    "as one matrix)",
+    "RoPE, the router softmax, top-k and renormalisation, the count of its choices, shared experts, both "
+    "residual adds (MLA: the attention parameters as one matrix)",
     "lm_head: final RMSNorm, LM head and greedy sampling for m sequences",
     "quantize: one master [n, k] matrix into a standalone packed blob",
     "dequantize (CPU only): one [n, k] matrix read from its pages into the fp32 copy the CPU engine "
@@ -303,6 +303,7 @@ class Profiler:
         w_down = self._randn(h, shared, scale=shared**-0.5) if shared else None
         norm_w = torch.ones(h, device=self.device, dtype=self.dtype)
         head = self._randn(spec.vocab_size, h, scale=h**-0.5)
+        counts = torch.zeros(spec.num_experts, dtype=torch.int64, device=self.device)
 
         def dense(x, angles):
             # One layer of the engine's forward (pwgpu/model.py) without attention and experts.
@@ -318,11 +319,16 @@ class Profiler:
             x = x + q
             z = rms_norm(x, norm_w, eps)
             probs = torch.softmax(F_.linear(z, router).float(), dim=-1)
-            torch.topk(probs, spec.top_k, dim=-1)
+            weights, ids = torch.topk(probs, spec.top_k, dim=-1)
+            weights = weights / weights.sum(dim=-1, keepdim=True)  # renormalised, as for Mixtral
+            # The router's choices counted on the device, its weights cast for the experts.
+            ids_flat = ids.reshape(-1)
+            counts.index_add_(0, ids_flat, torch.ones_like(ids_flat))
+            weights.to(x.dtype)
             if w_up is not None:
                 gate, up = F_.linear(z, w_up).chunk(2, dim=-1)
                 x = x + F_.linear(F_.silu(gate) * up, w_down)
-            return x
+            return x + z  # the experts' output (the moe_ffn op) added to the residual
 
         def lm_head(hidden):
             logits = F_.linear(rms_norm(hidden, norm_w, eps), head).float()
