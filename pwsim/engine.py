@@ -6,6 +6,10 @@ Processes (``env`` passed explicitly, one RNG per run):
   step's ``execute`` times it from the latency model and samples its routing;
 - ``copy_engine``: host-to-device upgrades, one transfer at a time at the GPU's h2d bandwidth,
   overlapped with compute as on hardware; an upgrade flips when its copy completes.
+- a CPU latency table (``pwsim.table_latency``) adds what the CPU engine does: each routed
+  expert's fp32 copy made on its first use after a precision change (``dequantize``), and
+  upgrades written inside the step that starts them (``upgrades: synchronous``: their quantise
+  time is the step's, their copy lands at once and the expert flips for the next step).
 
 Same-time ordering (tested): arrivals and copy completions at time t happen *before* an engine
 step that starts at t, so a step sees every request that has arrived and every expert whose
