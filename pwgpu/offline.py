@@ -62,6 +62,11 @@ def scenario_engine_config(run: ScenarioRun, device: str | None = None, dtype: s
             f"scenario {run.name}: parallel.ep={run.ep}: the engine runs a scenario on one device; "
             "expert parallelism across GPUs is simulated (pwsim run); allowed here: ep 1"
         )
+    if run.replicas > 1:
+        raise ConfigError(
+            f"scenario {run.name}: cluster.replicas={run.replicas}: the engine runs one replica; "
+            "clusters are simulated (pwsim run); allowed here: replicas 1"
+        )
     return EngineConfig(core=run.core, device=device, dtype=dtype or SCENARIO_DTYPE)
 
 

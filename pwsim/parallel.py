@@ -229,7 +229,7 @@ class EpEngine:
             RankEngine(self, r, rank_cfg, policy, rank_table(table, self.placement[r]), latency_for(share))
             for r in range(ep)
         ]
-        self.router = RequestRouter(parallel.request_router, [r.core for r in self.ranks])
+        self.router = RequestRouter(parallel.request_router, [[r.core] for r in self.ranks])
         self._layer_rows = np.arange(model.num_moe_layers)[:, None]
         self.requests: list[Request] = []
         self.request_rank: list[int] = []
@@ -245,21 +245,32 @@ class EpEngine:
         if self._engine_wake is not None and not self._engine_wake.triggered:
             self._engine_wake.succeed()
 
+    @property
+    def cores(self) -> list:
+        return [r.core for r in self.ranks]
+
+    def accept(self, req: Request) -> None:
+        """A request arrives now: to the rank the request router picks."""
+        r = self.router.choose()
+        self.requests.append(req)
+        self.request_rank.append(r)
+        self.ranks[r].requests.append(req)
+        self.ranks[r].core.add(req)
+        self._wake_engine()
+
+    def close_arrivals(self) -> None:
+        """No request will arrive any more: the engine ends when the last one is done."""
+        self._arrivals_done = True
+        self._wake_engine()
+
     def arrivals(self, env: simpy.Environment):
         tr = self.trace
         for i in range(len(tr)):
             delay = float(tr.arrival_s[i]) - env.now
             if delay > 0:
                 yield UrgentTimeout(env, delay)
-            req = Request(i, float(tr.arrival_s[i]), int(tr.prompt_tokens[i]), int(tr.output_tokens[i]))
-            r = self.router.choose()
-            self.requests.append(req)
-            self.request_rank.append(r)
-            self.ranks[r].requests.append(req)
-            self.ranks[r].core.add(req)
-            self._wake_engine()
-        self._arrivals_done = True
-        self._wake_engine()
+            self.accept(Request(i, float(tr.arrival_s[i]), int(tr.prompt_tokens[i]), int(tr.output_tokens[i])))
+        self.close_arrivals()
 
     def engine(self, env: simpy.Environment):
         ranks = self.ranks
@@ -327,12 +338,19 @@ class EpEngine:
         )  # fmt: skip
         return duration_s
 
-    def run(self, progress=None) -> None:
+    def start(self, arrivals: bool = True):
+        """Start the processes on the environment (``arrivals=False``: a cluster feeds
+        ``accept``); returns the engine process."""
         env = self.env
-        env.process(self.arrivals(env))
+        if arrivals:
+            env.process(self.arrivals(env))
         for r in self.ranks:
             env.process(r.copy_engine(env))
-        done = env.process(self.engine(env))
+        return env.process(self.engine(env))
+
+    def run(self, progress=None) -> None:
+        env = self.env
+        done = self.start()
         if progress is None:
             env.run(until=done)
             return

@@ -29,20 +29,25 @@ def kv_usage(core: RuntimeCore) -> float:
 
 
 class RequestRouter:
-    def __init__(self, kind: str, cores: list[RuntimeCore]):
+    """Chooses among ``targets``, each the cores of one engine (a GPU: one core; an
+    expert-parallel replica: one per GPU, whose loads add up and whose KV usage is averaged)."""
+
+    def __init__(self, kind: str, targets: list[list[RuntimeCore]]):
         if kind not in ROUTER_NAMES:
             raise ValueError(f"unknown router {kind!r}; allowed: {', '.join(ROUTER_NAMES)}")
-        self.kind, self.cores = kind, cores
+        self.kind, self.targets = kind, targets
         self._next = 0
 
     def choose(self) -> int:
-        cores = self.cores
+        targets = self.targets
         if self.kind == "round-robin":
             i = self._next
-            self._next = (i + 1) % len(cores)
+            self._next = (i + 1) % len(targets)
             return i
         if self.kind == "least-outstanding":
-            loads = [outstanding(c) for c in cores]
+            loads = [sum(outstanding(c) for c in cores) for cores in targets]
         else:
-            loads = [(kv_usage(c), outstanding(c)) for c in cores]
-        return min(range(len(cores)), key=loads.__getitem__)
+            loads = [
+                (sum(kv_usage(c) for c in cores) / len(cores), sum(outstanding(c) for c in cores)) for cores in targets
+            ]
+        return min(range(len(targets)), key=loads.__getitem__)

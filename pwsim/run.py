@@ -24,10 +24,16 @@ from pwsim.latency import LatencyModel, build_latency_model
 
 
 def scenario_engine(
-    run: ScenarioRun, policy: str, latency: LatencyModel, routing: RoutingConfig, loaded: LoadedScenario | None = None
+    run: ScenarioRun,
+    policy: str,
+    latency: LatencyModel,
+    routing: RoutingConfig,
+    loaded: LoadedScenario | None = None,
+    env=None,
 ):
     """The simulated engine of one policy of a scenario: one GPU, or (``loaded`` with
-    ``parallel.ep`` > 1) an expert-parallel replica (``pwsim.parallel``)."""
+    ``parallel.ep`` > 1) an expert-parallel replica (``pwsim.parallel``). ``env``: a SimPy
+    environment to share (a cluster's replicas)."""
     from pwsim.engine import SimEngine
 
     if loaded is not None and loaded.scenario.parallel.ep > 1:
@@ -38,11 +44,12 @@ def scenario_engine(
             run.core, policy, run.trace, run.table,
             lambda share: build_latency_model(sc.latency, share, loaded.gpu, loaded.base_dir, like=loaded.model),
             loaded.gpu, sc.parallel, routing.resolved_kind(True), seed=run.seed, routing_alpha=routing.zipf_alpha,
+            env=env,
         )  # fmt: skip
 
     return SimEngine(
         run.core, policy, run.trace, run.table, latency, routing.resolved_kind(True), seed=run.seed,
-        routing_alpha=routing.zipf_alpha,
+        routing_alpha=routing.zipf_alpha, env=env,
     )  # fmt: skip
 
 
@@ -67,8 +74,10 @@ def run_scenario(
     # warns once per op); workers build their own and send back their out-of-grid counts.
     latency = _latency(loaded)
     shared = latency if jobs <= 1 else None
-    ep = loaded.scenario.parallel
+    ep, cluster = loaded.scenario.parallel, loaded.scenario.cluster
     extra = {"parallel": ep.model_dump()} if ep.ep > 1 else {}
+    if cluster.replicas > 1:
+        extra["cluster"] = cluster.model_dump()
     meta = run_meta(
         runtime="pwsim",
         scenario=run.name,
@@ -84,6 +93,23 @@ def run_scenario(
     )
     writer = ResultsWriter(Path(out_dir), meta)
     names = list(run.policies)
+    if cluster.replicas > 1:
+        from pwsim.cluster import run_cluster
+
+        try:
+            display = progress if isinstance(progress, Display) else auto_display(progress)
+            if on_progress is not None:
+                per_policy = cluster.replicas if cluster.router == "round-robin" else 1  # jobs per policy
+                display = _Overall(display, len(names) * per_policy, on_progress)
+            run_cluster(loaded, run, names, writer, display, jobs)
+            meta = writer.write(run.resolved_yaml)
+        finally:
+            writer.discard_parts()
+        if report:
+            from pagedweight.results.report import write_report
+
+            write_report([writer.out_dir], writer.out_dir / "report.html")
+        return meta
     try:
         job_list = [
             Job(name, simulate_policy, (loaded, run, name, str(writer.parts_root / str(i)), shared))

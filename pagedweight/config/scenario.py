@@ -188,6 +188,16 @@ class ParallelConfig(_Strict):
     a2a_bytes_per_value: int = Field(default=2, ge=1, le=4)
 
 
+class ClusterConfig(_Strict):
+    """``replicas`` identical replicas (each one GPU, or ``parallel.ep`` GPUs) behind a request
+    router (``pwsim.cluster``). ``round-robin`` does not look at the replicas, so they run
+    independently (in parallel worker processes); the others route by the replicas' state at
+    each arrival and run together."""
+
+    replicas: int = Field(default=1, ge=1)
+    router: Literal["round-robin", "least-outstanding", "least-kv"] = "round-robin"
+
+
 class Scenario(_Strict):
     name: str = Field(min_length=1)
     description: str = ""
@@ -203,6 +213,7 @@ class Scenario(_Strict):
     policies: tuple[str, ...] = POLICY_NAMES
     slo: SloConfig = SloConfig()
     parallel: ParallelConfig = ParallelConfig()
+    cluster: ClusterConfig = ClusterConfig()
     seed: int = Field(default=0, ge=0)
 
     @field_validator("policies")
