@@ -208,7 +208,9 @@ def cluster_summary(results: list[dict], loaded: LoadedScenario, run: ScenarioRu
     kv = [rep["mean_kv_cache_usage_perc"] for rep in reps if "mean_kv_cache_usage_perc" in rep]
     if kv:
         s["mean_kv_cache_usage_perc"] = float(np.mean(kv))
-        s["max_kv_cache_usage_perc"] = float(max(rep["max_kv_cache_usage_perc"] for rep in reps))
+        s["max_kv_cache_usage_perc"] = float(
+            max(rep["max_kv_cache_usage_perc"] for rep in reps if "max_kv_cache_usage_perc" in rep)
+        )
     sim_s = max(rep["simulated_s"] for rep in reps)
     s.update(
         num_steps=sum(rep["num_steps"] for rep in reps),

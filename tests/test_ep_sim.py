@@ -152,7 +152,7 @@ def test_ep_step_accounting_on_8_ranks_by_hand(tmp_path):
 
 def test_ep_run_is_reproducible_and_routes_requests_by_the_chosen_rule(tmp_path):
     a = run_scenario(_scenario(tmp_path, request_router="round-robin"), tmp_path / "a", report=False)
-    b = run_scenario(_scenario(tmp_path, request_router="round-robin"), tmp_path / "b", report=False)
+    run_scenario(_scenario(tmp_path, request_router="round-robin"), tmp_path / "b", report=False)
     for name in ("steps.csv", "ep_steps.csv", "requests.csv", "transitions.csv"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     assert [r["num_requests"] for r in a["policies"]["pagedweight"]["ranks"]] == [1] * 8

@@ -197,7 +197,27 @@ CHECKS = {
     "seed": both(lambda r: r.meta["pwsim"]["seed"], lambda r: r.meta["pwgpu"]["seed"], lambda r: 4),
     **{f"parallel.{k}": lambda r, k=k: _check_parallel(r, k) for k in ("ep", "tp", "placement", "request_router")},
     "parallel.a2a_bytes_per_value": lambda r: _check_parallel(r, "a2a_bytes_per_value"),
+    "cluster.replicas": lambda r: _check_cluster(r, "replicas"),
+    "cluster.router": lambda r: _check_cluster(r, "router"),
 }
+
+CLUSTER = {"replicas": 2, "router": "least-kv"}
+
+
+def _check_cluster(r, key):
+    """Simulator only: replicas behind a router (pwsim.cluster); the engine serves one replica
+    and refuses more in one line."""
+    if "cluster" not in r.cache:
+        loaded = _load(r.tmp_path, {**SCENARIO, "cluster": CLUSTER}, "cluster.yaml")
+        meta = sim_run_scenario(loaded, r.tmp_path / "cluster", report=False)
+        with pytest.raises(ConfigError, match="cluster.replicas=2"):
+            scenario_engine_config(scenario_run(loaded))
+        r.cache["cluster"] = meta
+    meta = r.cache["cluster"]
+    assert meta["cluster"][key] == CLUSTER[key]
+    for summary in meta["policies"].values():
+        assert summary["cluster"][key] == CLUSTER[key] if key == "router" else len(summary["replicas"]) == 2
+
 
 PARALLEL = {"ep": 2, "tp": 1, "placement": "balanced", "request_router": "round-robin", "a2a_bytes_per_value": 1}
 
