@@ -78,6 +78,11 @@ def test_round_robin_replica_is_its_share_run_alone(tmp_path):
         assert s["num_steps"] == sum(r["num_steps"] for r in s["replicas"])
     steps = pd.read_csv(tmp_path / "c" / "steps.csv")
     assert sorted(steps["replica"].unique()) == [0, 1, 2]
+    from pagedweight.results.report import write_report
+
+    page = write_report([tmp_path / "c"], tmp_path / "rep" / "r.html").read_text()
+    assert "<h3>Replicas</h3>" in page and "show replica 0" in page
+    assert (tmp_path / "rep" / "c_replica_load.png").is_file()
 
 
 @pytest.mark.parametrize("router", ["least-outstanding", "least-kv"])

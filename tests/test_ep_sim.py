@@ -171,3 +171,13 @@ def test_bad_parallel_settings_are_one_line_errors(tmp_path):
             load_scenario(tmp_path / "bad.yaml")
         msg = str(e.value)
         assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_report_shows_each_gpu_and_the_imbalance(tmp_path):
+    from pagedweight.results.report import write_report
+
+    run_scenario(_scenario(tmp_path), tmp_path / "out", report=False)
+    page = write_report([tmp_path / "out"], tmp_path / "rep" / "r.html").read_text()
+    assert "GPUs of the expert-parallel replica" in page and "slowest in" in page
+    assert (tmp_path / "rep" / "out_imbalance.png").is_file()
+    assert (tmp_path / "rep" / "out_gpu_memory1.png").is_file()
