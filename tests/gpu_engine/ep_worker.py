@@ -4,7 +4,10 @@
 (every rank's, so that each rank changes one of its own) goes to int4 through the core, as a
 controller's change would.
 
-    python ep_worker.py MODEL OUT.npz --policy static-fp16 [--ranks 2] [--downgrade]
+    python ep_worker.py MODEL OUT.npz --policy static-fp16 [--ranks 2] [--downgrade] [--device cuda]
+
+On CUDA each rank takes the GPU of its rank and the group talks over NCCL (gloo on the CPU).
+``benchmarks/gpu_check.sh`` runs it on two GPUs when the machine has them.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ PAGE_BYTES = 1 << 16
 DOWNGRADED = (1, 6)  # experts of every MoE layer taken to int4 (one on each of two ranks)
 
 
-def generate(model: str, policy: str, downgrade: bool, ep=None) -> dict:
-    cfg = EngineConfig(CoreConfig(budget_bytes=BUDGET_BYTES, page_bytes=PAGE_BYTES), policy=policy, device="cpu",
+def generate(model: str, policy: str, downgrade: bool, ep=None, device: str = "cpu") -> dict:
+    cfg = EngineConfig(CoreConfig(budget_bytes=BUDGET_BYTES, page_bytes=PAGE_BYTES), policy=policy, device=device,
                        dtype="float32", moe_kernel="reference")  # fmt: skip
     eng = Engine(model, cfg, ep=ep)
     logits: list[np.ndarray] = []
@@ -62,10 +65,13 @@ def generate(model: str, policy: str, downgrade: bool, ep=None) -> dict:
     }
 
 
-def _rank(rank: int, world: int, model: str, policy: str, downgrade: bool, out: str) -> None:
+def _rank(rank: int, world: int, model: str, policy: str, downgrade: bool, out: str, device: str) -> None:
     from pwgpu.ep import EpGroup
 
-    result = generate(model, policy, downgrade, EpGroup.current())
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    result = generate(model, policy, downgrade, EpGroup.current(), device)
     np.savez(f"{out}.rank{rank}.npz", **result)
 
 
@@ -76,15 +82,18 @@ def main() -> None:
     p.add_argument("--policy", default="static-fp16")
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--downgrade", action="store_true")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = p.parse_args()
     torch.manual_seed(0)
     if a.ranks == 1:
-        np.savez(a.out, **generate(a.model, a.policy, a.downgrade))
+        np.savez(a.out, **generate(a.model, a.policy, a.downgrade, device=a.device))
         return
     from pwgpu.ep import spawn_ranks
 
+    backend = "nccl" if a.device == "cuda" else "gloo"
     with tempfile.TemporaryDirectory() as tmp:
-        spawn_ranks(a.ranks, _rank, (a.model, a.policy, a.downgrade, a.out), str(Path(tmp) / "init"))
+        args = (a.model, a.policy, a.downgrade, a.out, a.device)
+        spawn_ranks(a.ranks, _rank, args, str(Path(tmp) / "init"), backend)
 
 
 if __name__ == "__main__":
