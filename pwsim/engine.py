@@ -106,18 +106,29 @@ class SimEngine:
         pass  # the copy engine sees the transition is no longer in flight and drops it
 
     # ---- processes --------------------------------------------------------------------------------
+    @property
+    def cores(self) -> list[RuntimeCore]:
+        return [self.core]
+
+    def accept(self, req: Request) -> None:
+        """A request arrives now (from ``arrivals``, or from a cluster's router)."""
+        self.requests.append(req)
+        self.core.add(req)
+        self._wake_engine()
+
+    def close_arrivals(self) -> None:
+        """No request will arrive any more: the engine ends when the last one is done."""
+        self._arrivals_done = True
+        self._wake_engine()
+
     def arrivals(self, env: simpy.Environment):
-        tr, core = self.trace, self.core
+        tr = self.trace
         for i in range(len(tr)):
             delay = float(tr.arrival_s[i]) - env.now
             if delay > 0:
                 yield UrgentTimeout(env, delay)
-            req = Request(i, float(tr.arrival_s[i]), int(tr.prompt_tokens[i]), int(tr.output_tokens[i]))
-            self.requests.append(req)
-            core.add(req)
-            self._wake_engine()
-        self._arrivals_done = True
-        self._wake_engine()
+            self.accept(Request(i, float(tr.arrival_s[i]), int(tr.prompt_tokens[i]), int(tr.output_tokens[i])))
+        self.close_arrivals()
 
     def copy_engine(self, env: simpy.Environment):
         in_flight = self.core.page_table.in_flight
@@ -195,12 +206,19 @@ class SimEngine:
             total_s += s
         return total_s
 
+    def start(self, arrivals: bool = True):
+        """Start the processes on the environment (``arrivals=False``: a cluster feeds
+        ``accept``); returns the engine process."""
+        env = self.env
+        if arrivals:
+            env.process(self.arrivals(env))
+        env.process(self.copy_engine(env))
+        return env.process(self.engine(env))
+
     def run(self, progress=None) -> None:
         """Run to the last request. ``progress(now_s)`` is called every 1/200 of the trace."""
         env = self.env
-        env.process(self.arrivals(env))
-        env.process(self.copy_engine(env))
-        done = env.process(self.engine(env))
+        done = self.start()
         if progress is None:
             env.run(until=done)
             return
