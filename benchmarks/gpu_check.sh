@@ -80,6 +80,20 @@ stage validate 170 python3 -m pwsim.cli validate scenarios/gpu_validate.yaml --o
 # busy (kernel spans from torch.profiler); the target is under 10% of the step.
 stage engine_speed 90 python3 benchmarks/engine_vs_hf.py --device cuda --dtype bfloat16 --batches 8,32 --reps 2
 grep -h "ratio\|host overhead" "$OUT/engine_speed.log" | tee -a "$OUT/summary.txt"
+# Expert parallelism on two GPUs over NCCL: the trained tiny model's experts split across two
+# ranks must give the one-GPU engine's greedy tokens and logits (as tests/gpu_engine/test_ep_engine.py
+# checks with gloo on the CPU).
+NUM_GPUS=$(nvidia-smi --list-gpus 2> /dev/null | wc -l)
+if [ "$NUM_GPUS" -ge 2 ]; then
+  stage ep_2gpu 90 bash -c "python3 tests/gpu_engine/ep_worker.py models/tiny-moe '$OUT/ep_single.npz' --device cuda \
+    && python3 tests/gpu_engine/ep_worker.py models/tiny-moe '$OUT/ep_2gpu' --ranks 2 --device cuda \
+    && python3 -c \"import numpy as np, sys; s = np.load('$OUT/ep_single.npz'); \
+r = [np.load(f'$OUT/ep_2gpu.rank{i}.npz') for i in range(2)]; \
+d = max(float(np.abs(x['logits'] - s['logits']).max()) for x in r); ok = all((x['tokens'] == s['tokens']).all() for x in r); \
+print('tokens equal:', ok, 'max logit difference:', d); sys.exit(0 if ok and d < 1e-3 else 1)\""
+else
+  echo "ep_2gpu: skipped: expert parallelism needs 2 or more GPUs and this machine has $NUM_GPUS" | tee -a "$OUT/summary.txt"
+fi
 wait "$DEEPSEEK_MODEL_PID" || echo "random DeepSeek model: failed (see random_deepseek.log)" | tee -a "$OUT/summary.txt"
 # One policy per run, so that what finishes is kept: FP8-block experts as shipped, then INT4.
 for policy in static-fp16 static-int4; do
