@@ -111,6 +111,9 @@ def test_decode_ignores_nan_past_the_context(device):
         v.repeat_interleave(2, 1).transpose(0, 1)[:, None], scale=0.25,
     )[:, 0].transpose(0, 1)  # fmt: skip
     torch.testing.assert_close(paged_decode_ref(q, kv, 0, tables, lens, 0.25), want, rtol=1e-5, atol=1e-5)
+    from pwgpu.cpu_kernels import paged_decode_sdpa  # the CPU engine's fast path
+
+    torch.testing.assert_close(paged_decode_sdpa(q, kv, 0, tables, lens, 0.25), want, rtol=1e-5, atol=1e-5)
     if device == "cuda":
         from pwgpu.kernels.attention import paged_decode_triton
 
