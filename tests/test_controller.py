@@ -3,6 +3,8 @@
 A fake backend completes upgrades a fixed number of steps after they start (a copy engine), so
 pages really are in flight while KV demand moves."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from pagedweight.core.pool import OWNER_KV, OWNER_PINNED, OWNER_TRANSITION
 from pagedweight.core.runtime import CoreConfig, RuntimeCore
 from pagedweight.core.scheduler import Request, SchedulerConfig
 from pagedweight.core.spec import FP8_BLOCK_LADDER, PRECISION_ID, load_model
+from pagedweight.errors import ConfigError
 from pagedweight.policy.controller import DOWNGRADE, UPGRADE, ControllerSettings
 from pagedweight.policy.importance import synthetic_table
 
@@ -198,3 +201,25 @@ def test_routing_drift_moves_precision_to_the_experts_now_in_use():
     assert core.controller.table is not table  # losses were re-scaled from the tracker
     core.kv.free(held)
     core.pool.check()
+
+
+def test_paper_greedy_walks_the_papers_ladder_unless_configured():
+    """paper-greedy, as published: full precision, INT8 and INT4 only, even when the scenario's
+    ladder also has FP8 (pagedweight walks all of it); a configured ladder replaces it."""
+    four = ("bf16", "fp8", "int8", "int4")
+    core, clock, backend = make_core("paper-greedy", ladder=four)
+    assert core.controller.table.ladder == core.ladder == ("bf16", "int8", "int4")
+    drive(core, clock, backend, sawtooth(num_cycles=2))
+    used = {t.to_precision for t in core.transitions}
+    assert "int4" in used and "fp8" not in used
+    assert make_core("pagedweight", ladder=four)[0].controller.table.ladder == four
+
+    table = synthetic_table(MODEL, four, seed=1)
+
+    def with_ladder(names):
+        cfg = replace(core.config, paper_greedy_precisions=names)
+        return RuntimeCore(cfg, "paper-greedy", table, DelayedCopies(), Clock())
+
+    assert with_ladder(("bf16", "fp8", "int4")).controller.table.ladder == ("bf16", "fp8", "int4")
+    with pytest.raises(ConfigError, match=r"\['int2'\] not in the precision ladder; allowed: bf16, fp8, int8, int4"):
+        with_ladder(("bf16", "int2"))

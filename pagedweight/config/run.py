@@ -40,6 +40,7 @@ def core_config(loaded: LoadedScenario) -> CoreConfig:
             **c.model_dump(exclude={"static_mixed_fraction", "max_in_flight"}), max_in_flight_bytes=c.max_in_flight
         ),
         static_mixed_fraction=c.static_mixed_fraction,
+        paper_greedy_precisions=sc.memory.paper_greedy_precisions,
     )
 
 

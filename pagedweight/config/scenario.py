@@ -80,16 +80,30 @@ class MemoryConfig(_Strict):
     page_bytes: Bytes = DEFAULT_PAGE_BYTES
     kv_block_tokens: int = Field(default=CoreConfig.kv_block_tokens, ge=1)
     precisions: tuple[str, ...] = ("bf16", "fp8", "int8", "int4")
+    # paper-greedy's ladder; default (None): the paper's, full precision, INT8 and INT4 (those of
+    # ``precisions``). Name others to compare it on a ladder of your own.
+    paper_greedy_precisions: tuple[str, ...] | None = None
 
-    @field_validator("precisions")
+    @field_validator("precisions", "paper_greedy_precisions")
     @classmethod
-    def _known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+    def _known(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if v is None:
+            return None
         if not v:
             raise ConfigError("name at least one precision")
         for name in v:
             if name not in PRECISIONS:
                 raise ConfigError(f"unknown precision {name!r}; allowed: {', '.join(PRECISIONS)}")
         return tuple(p.name for p in ladder(list(v)))
+
+    @model_validator(mode="after")
+    def _paper_ladder_within(self) -> MemoryConfig:
+        extra = [p for p in self.paper_greedy_precisions or () if p not in self.precisions]
+        if extra:
+            raise ConfigError(
+                f"paper_greedy_precisions: {extra} not in precisions; allowed: {', '.join(self.precisions)}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_budget(self) -> MemoryConfig:

@@ -47,8 +47,8 @@ from pagedweight.policy.controller import (
     Controller,
     ControllerSettings,
 )
-from pagedweight.policy.importance import ImportanceTable
-from pagedweight.policy.policies import DYNAMIC_POLICIES, setup_policy
+from pagedweight.policy.importance import ImportanceTable, on_ladder
+from pagedweight.policy.policies import DYNAMIC_POLICIES, policy_ladder, setup_policy
 from pagedweight.results.metrics import StepRecorder
 
 TRANSITION_COLUMNS = ("time_s", "expert", "layer", "from_precision", "to_precision", "kind", "bytes")
@@ -113,6 +113,8 @@ class CoreConfig:
     controller: ControllerSettings = ControllerSettings()
     # static-mixed: its fixed weight budget, as a fraction of every expert at the top precision.
     static_mixed_fraction: float = 0.5
+    # paper-greedy's precisions; None: the paper's ladder (full, INT8, INT4) within the table's.
+    paper_greedy_precisions: tuple[str, ...] | None = None
     # Keep only the newest this many steps and transitions (a server runs for days); None: all.
     history_window: int | None = None
 
@@ -219,6 +221,13 @@ class RuntimeCore:
         self.pool = pool = PagePool(cfg.budget_bytes, cfg.page_bytes)
         pool.alloc(OWNER_PINNED, pool.pages_for_bytes(model.pinned_bytes()))
         pages_by_id = expert_pages_by_id(model, cfg.page_bytes)
+        # The precisions this policy may use (paper-greedy: the paper's); the quality proxy
+        # still reads the whole table, so every policy is scored on the same losses.
+        self._quality = quality_matrix(table)
+        own_ladder = policy_ladder(policy, table.ladder, cfg.paper_greedy_precisions)
+        if own_ladder != table.ladder:
+            table = on_ladder(table, own_ladder)
+        self.ladder = table.ladder
         ladder_ids = [PRECISION_ID[p] for p in table.ladder]
         dynamic = policy in DYNAMIC_POLICIES and len(ladder_ids) > 1
         # Dynamic policies keep headroom for one downgrade's new pages (see KvBlockAllocator).
@@ -244,7 +253,6 @@ class RuntimeCore:
                 self.scheduler.forecast_kv_blocks,
             )
             self.scheduler.pressure_hook = self._on_pressure
-        self._quality = quality_matrix(table)
         self.quality_proxy = self.quality_recount()
         self.precision_grid = self.page_table.precision_ids.reshape(model.num_moe_layers, model.num_experts)
         # With a history window (a server runs for days) only the newest steps and transitions

@@ -159,6 +159,8 @@ def headline(run: RunResults) -> str:
         if int4 is not None:
             q += f" (static-int4: {int4.get('mean_quality_proxy', float('nan')):.4g})"
         parts.append(q)
+        if m.get("precision_ladder"):
+            parts.append("precisions " + " &gt; ".join(html.escape(str(x)) for x in m["precision_ladder"]))
         lines.append(f"<b>{html.escape(p)}</b> against {BASELINE}: " + ", ".join(parts))
     return '<p class="headline">' + "<br>".join(lines) + "</p>" if lines else ""
 

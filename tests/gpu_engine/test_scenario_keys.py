@@ -43,6 +43,7 @@ SCENARIO = {
         "page_bytes": "64 KiB",
         "kv_block_tokens": 8,
         "precisions": ["bf16", "int8", "int4"],
+        "paper_greedy_precisions": ["bf16", "int4"],
     },
     "workload": {
         "kind": "synthetic",
@@ -149,6 +150,11 @@ CHECKS = {
         lambda r: core(r, "sim").controller.table.ladder,
         lambda r: core(r, "engine").controller.table.ladder,
         lambda r: tuple(SCENARIO["memory"]["precisions"]),
+    ),
+    "memory.paper_greedy_precisions": both(
+        lambda r: core(r, "sim").config.paper_greedy_precisions,
+        lambda r: core(r, "engine").config.paper_greedy_precisions,
+        lambda r: tuple(SCENARIO["memory"]["paper_greedy_precisions"]),
     ),
     "workload": both(
         lambda r: r.meta["pwsim"]["trace"], lambda r: r.meta["pwgpu"]["trace"], lambda r: trace_meta(r.run.trace)
