@@ -56,14 +56,14 @@ class DelayedCopies:
             core.complete_upgrade(t)
 
 
-def make_core(policy="pagedweight", budget_mib=40, ladder=("bf16", "int8", "int4"), **settings):
+def make_core(policy="pagedweight", budget_mib=40, ladder=("bf16", "int8", "int4"), admission="forecast", **settings):
     table = synthetic_table(MODEL, ladder, seed=1)
     cfg = CoreConfig(
         model=MODEL,
         budget_bytes=budget_mib * 2**20,
         page_bytes=PAGE,
         kv_block_tokens=8,
-        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048),
+        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048, admission=admission),
         controller=ControllerSettings(**settings),
     )
     clock, backend = Clock(), DelayedCopies()
@@ -129,11 +129,14 @@ def test_an_fp8_block_ladder_goes_to_int4_and_back():
 
 
 def test_downgrades_come_before_any_preemption():
-    core, clock, backend = make_core(budget_mib=18)
+    # vLLM's admission, which preempts here even at the floor; forecast admission does not.
+    core, clock, backend = make_core(budget_mib=18, admission="greedy")
     floor = core.setup.floor_ids
     log = drive(core, clock, backend, [40] + [0] * 600)
     preempting = [ids for n, ids, in_flight in log if n]
     assert preempting, "this budget is meant to force preemptions even at the floor"
+    forecast = make_core(budget_mib=18)
+    assert not any(n for n, _, _ in drive(*forecast, [40] + [0] * 600))
     for ids in preempting:
         # A step may only preempt once every expert sits at the policy's floor.
         assert (core.page_table.pages_by_id[ids] <= core.page_table.pages_by_id[floor]).all()

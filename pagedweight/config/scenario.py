@@ -118,6 +118,8 @@ class SchedulerSection(_Strict):
     max_num_batched_tokens: int = Field(default=SchedulerConfig.max_num_batched_tokens, ge=1)
     max_num_seqs: int = Field(default=SchedulerConfig.max_num_seqs, ge=1)
     max_model_len: int | None = Field(default=None, ge=1)  # default: the model's context
+    admission: Literal["forecast", "greedy"] = SchedulerConfig.admission
+    admission_reserve_tokens: int = Field(default=SchedulerConfig.admission_reserve_tokens, ge=1)
 
 
 class SyntheticImportance(_Strict):

@@ -2,7 +2,8 @@
 
 One step: ``schedule(now_s)`` picks running requests first (decodes and unfinished prefill
 chunks, oldest first), then admits waiting requests FCFS, within a token budget
-(``max_num_batched_tokens``) and ``max_num_seqs``. Prefill is chunked to what the budget
+(``max_num_batched_tokens``) and ``max_num_seqs``, and by default only when their forecast KV
+demand fits beside the running requests' (``admission``; docs/DESIGN.md). Prefill is chunked to what the budget
 leaves. When KV blocks run out it first calls the memory-pressure hook (the precision
 controller downgrades experts there, freeing pages) and only then preempts by recompute,
 newest first. ``finish_step(batch, end_s)`` appends the sampled tokens and releases finished
@@ -60,9 +61,18 @@ class SchedulerConfig:
     # swap: its KV is copied to host memory and back (the ``kv-swap`` policy); the runtime
     # times the copies from ``Batch.swapped_out_tokens`` / ``swapped_in_tokens``.
     preemption_mode: str = "recompute"
+    # forecast: a waiting request is admitted only when its whole prompt and the next
+    # ``admission_reserve_tokens`` output tokens (at most its own) fit beside what the running
+    # requests have been promised the same way (see ``_admits``). greedy: vLLM's rule, admitted
+    # when its first prefill chunk fits, which under KV pressure preempts and recomputes the
+    # same long prompts again and again.
+    admission: str = "forecast"
+    admission_reserve_tokens: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        if self.admission not in ("forecast", "greedy"):
+            raise ConfigError(f"admission(={self.admission!r}) must be 'forecast' or 'greedy'")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "admission_reserve_tokens"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name}(={getattr(self, name)}) must be > 0")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -289,8 +299,15 @@ class Scheduler:
         # the batch already. As in vLLM, a step that had to preempt admits nobody new.
         if batch.preempted:
             return batch
+        forecast = self.config.admission == "forecast"
+        promised = self._promised_blocks() if forecast and self.waiting else 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if forecast:
+                need = self._admits(req, promised)
+                if need is None:
+                    break
+                promised += need
             # A swapped-out request resumes where it stopped once its KV is copied back.
             resume_at = req.swapped_tokens
             num_new = min(req.num_tokens - resume_at, budget)
@@ -309,6 +326,43 @@ class Scheduler:
             batch.add(req, num_new, req.num_tokens - resume_at)
             budget -= num_new
         return batch
+
+    # ---- admission by forecast KV demand ------------------------------------------------------
+    # The rule that keeps preempted prefills from being recomputed again and again: memory is
+    # promised, not just free. Each running request is promised the blocks for the rest of its
+    # prompt and its next ``admission_reserve_tokens`` output tokens; a waiting request is
+    # admitted only if its own promise fits in the free blocks beside them (after the pressure
+    # hook, i.e. downgrades, has had its say). Under the greedy rule a long prompt is admitted
+    # as soon as its first chunk fits, the running decodes then grow into its blocks, it is
+    # preempted (newest first) and readmitted at once: its whole prefill again, every cycle.
+    def _promise(self, req: Request) -> int:
+        """Blocks ``req`` is promised in all: its prompt (and tokens to recompute) plus its next
+        ``admission_reserve_tokens`` outputs, capped at its own output length."""
+        ahead = req.max_output_tokens - req.num_output_tokens
+        reserve = self.config.admission_reserve_tokens
+        return -(-(req.num_tokens + (ahead if ahead < reserve else reserve)) // self.kv.block_tokens)
+
+    def _promised_blocks(self) -> int:
+        """Blocks promised to running requests beyond those they hold."""
+        out = 0
+        for req in self.running:
+            extra = self._promise(req) - len(req.block_ids)
+            if extra > 0:
+                out += extra
+        return out
+
+    def _admits(self, req: Request, promised: int) -> int | None:
+        """The blocks ``req``'s admission promises, or None if they do not fit beside
+        ``promised``. With nothing running there is nothing to wait for: it is admitted, as
+        under the greedy rule, if its first chunk fits (``_reserve`` decides)."""
+        need = self._promise(req)
+        if not self.running:
+            return need
+        short = promised + need - self.kv.num_free_blocks
+        if short > 0 and self.pressure_hook is not None:
+            self.pressure_hook(short)
+            short = promised + need - self.kv.num_free_blocks
+        return None if short > 0 else need
 
     def finish_step(self, batch: Batch, end_s: float) -> list[Request]:
         """Record the step's results at ``end_s``; returns the requests that finished."""
@@ -352,10 +406,17 @@ class Scheduler:
         growing by one token a step (capped at their output length), and the queue's prompts."""
         bt = self.kv.block_tokens
         need = 0
+        # Under forecast admission the running requests' promises count too: weights that took
+        # those blocks back would be downgraded again at the next admission.
+        promise = self._promise if self.config.admission == "forecast" else None
         for req in self.running:
             target = req.prompt_tokens + req.num_output_tokens + horizon_steps
             final = req.prompt_tokens + req.max_output_tokens - 1
-            extra = -(-(target if target < final else final) // bt) - len(req.block_ids)
+            blocks = -(-(target if target < final else final) // bt)
+            if promise is not None:
+                promised = promise(req)
+                blocks = promised if promised > blocks else blocks
+            extra = blocks - len(req.block_ids)
             if extra > 0:
                 need += extra
         room = self.config.max_num_seqs - len(self.running)

@@ -51,7 +51,13 @@ SCENARIO = {
         "lengths": {"kind": "fixed", "prompt_tokens": 12, "output_tokens": 3},
         "num_requests": 2,
     },
-    "scheduler": {"max_num_batched_tokens": 1000, "max_num_seqs": 7, "max_model_len": 1500},
+    "scheduler": {
+        "max_num_batched_tokens": 1000,
+        "max_num_seqs": 7,
+        "max_model_len": 1500,
+        "admission": "greedy",
+        "admission_reserve_tokens": 77,
+    },
     "latency": {"kind": "constant", "step_time_s": 0.02},
     "routing": {"kind": "zipf", "alpha": 1.5},
     "importance": {"kind": "synthetic", "seed": 5, "zipf_exponent": 1.1},
@@ -174,6 +180,14 @@ CHECKS = {
         lambda r: core(r, "engine").scheduler.config.max_model_len,
         lambda r: 1500,
     ),
+    **{
+        f"scheduler.{k}": both(
+            lambda r, k=k: getattr(core(r, "sim").scheduler.config, k),
+            lambda r, k=k: getattr(core(r, "engine").scheduler.config, k),
+            lambda r, k=k: SCENARIO["scheduler"][k],
+        )
+        for k in ("admission", "admission_reserve_tokens")
+    },
     "latency": sim_only(
         lambda r: r.meta["pwsim"]["latency_model"], lambda r: "constant 20 ms", "the engine's steps take what they take"
     ),
