@@ -18,6 +18,7 @@ object ``pwgpu`` drives; only the arithmetic is replaced by the latency model.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 
 import numpy as np
@@ -71,6 +72,9 @@ class SimEngine:
             freqs = table.grid(table.routing_freq) if routing_kind == "importance" else None
             routing = RoutingSampler(self.model, freqs, routing_kind, routing_alpha, rng)
         self.routing = routing
+        self._last_step: tuple | None = None  # (shape, tokens per expert) of the last step
+        self._predictors: dict[bytes, object] = {}  # latency-model copies by precision map
+        self.core.set_step_time_model(self._predict_step_s)
         self.requests: list[Request] = []
         self.bytes_h2d = 0
         self._copy_queue: deque[Transition] = deque()
@@ -155,12 +159,31 @@ class SimEngine:
             if c.kind is DOWNGRADE:
                 quantize_s += sum(latency.quantize_time_s(n, k, c.to_id) for _, n, k in self.model.expert_matrices)
         duration_s = latency.step_time_s(shape, tokens, self.core.precision_grid) + quantize_s
+        self._last_step = (shape, tokens)
         batch = step.batch
         swapped_bytes = (batch.swapped_out_tokens + batch.swapped_in_tokens) * self._kv_bytes_per_token
         if swapped_bytes:  # kv-swap: KV copies over PCIe, before the step that needs the blocks
             duration_s += latency.h2d_time_s(swapped_bytes)
             self.bytes_h2d += batch.swapped_in_tokens * self._kv_bytes_per_token
         return Executed(duration_s, swapped_bytes, wait=self.env.timeout(duration_s))
+
+    def _predict_step_s(self, precision_ids: np.ndarray) -> float:
+        """The last step's time had the experts been at ``precision_ids``: the controller's view
+        of what precision costs in speed. Copies of the latency model, one per map asked about
+        (a few at most), keep the run's own cached per-precision times intact."""
+        if self._last_step is None:
+            return 0.0
+        key = precision_ids.tobytes()
+        model = self._predictors.get(key)
+        if model is None:
+            if len(self._predictors) >= 4:
+                self._predictors.pop(next(iter(self._predictors)))
+            model = self._predictors[key] = copy.copy(self.latency)
+            if hasattr(model, "out_of_grid"):  # a table model: predictions are not steps that ran
+                model.out_of_grid = type(model.out_of_grid)()
+                model.fallback = copy.copy(model.fallback)
+        shape, tokens = self._last_step
+        return model.step_time_s(shape, tokens, precision_ids.reshape(self.core.precision_grid.shape))
 
     def run(self, progress=None) -> None:
         """Run to the last request. ``progress(now_s)`` is called every 1/200 of the trace."""

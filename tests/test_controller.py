@@ -226,3 +226,52 @@ def test_paper_greedy_walks_the_papers_ladder_unless_configured():
     assert with_ladder(("bf16", "fp8", "int4")).controller.table.ladder == ("bf16", "fp8", "int4")
     with pytest.raises(ConfigError, match=r"\['int2'\] not in the precision ladder; allowed: bf16, fp8, int8, int4"):
         with_ladder(("bf16", "int2"))
+
+
+def weight_bound_steps(core, fixed_s, all_top_s):
+    """A step-time model where a step costs ``fixed_s`` plus time in proportion to the routed
+    experts' pages: ``all_top_s`` more with every expert at the top of the ladder."""
+    pt = core.page_table
+    per_page_s = (all_top_s - fixed_s) / int(pt.pages_by_id[np.full(pt.num_experts, PRECISION_ID["bf16"])].sum())
+    return lambda ids: fixed_s + int(pt.pages_by_id[ids].sum()) * per_page_s
+
+
+def run_steps(core, clock, backend, model, num_steps, step_s=0.1):
+    for _ in range(num_steps):
+        clock.now_s += step_s
+        backend.step += 1
+        backend.land(core)
+        core.controller.observe_step(model(core.page_table.precision_ids))
+        core.plan_step()
+
+
+def test_speed_downgrades_to_meet_the_tpot_slo_and_upgrades_stop_short_of_it():
+    """No KV pressure at all: only speed moves precision. Every expert at bf16 makes an 80 ms
+    step where the SLO is 50 ms; the controller downgrades until the step is predicted within
+    it (and not much further), and the upgrades that memory would allow stop at 90% of it."""
+    core, clock, backend = make_core(tpot_slo_s=0.05, min_dwell_s=0.0)
+    model = weight_bound_steps(core, 0.01, 0.08)
+    core.set_step_time_model(model)
+    assert model(core.page_table.precision_ids) == pytest.approx(0.08)
+    run_steps(core, clock, backend, model, 100)
+    t_s = model(core.page_table.precision_ids)
+    assert 0.04 <= t_s <= 0.05, t_s
+    assert {t.kind for t in core.transitions} >= {DOWNGRADE}
+    assert core.quality_proxy > 0 and not (core.page_table.precision_ids == PRECISION_ID["int4"]).all()
+    run_steps(core, clock, backend, model, 100)  # memory is free the whole time
+    assert model(core.page_table.precision_ids) <= 0.05
+    # ... and no flapping once settled: the last 50 steps changed nothing.
+    settled = len(core.transitions)
+    run_steps(core, clock, backend, model, 50)
+    assert len(core.transitions) == settled
+
+
+def test_speed_leaves_precision_alone_when_no_precision_meets_the_slo():
+    """A step of 300 ms of which weights are 70 ms cannot meet 50 ms at any precision: memory
+    alone decides (here, nothing moves); paper-greedy never looks at speed."""
+    for policy, fixed_s in (("pagedweight", 0.23), ("paper-greedy", 0.01)):
+        core, clock, backend = make_core(policy, tpot_slo_s=0.05, min_dwell_s=0.0)
+        model = weight_bound_steps(core, fixed_s, fixed_s + 0.07)
+        core.set_step_time_model(model)
+        run_steps(core, clock, backend, model, 50)
+        assert not core.transitions, policy

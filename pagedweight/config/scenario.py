@@ -168,6 +168,8 @@ class ControllerConfig(_Strict):
     min_dwell_s: float = Field(default=_CTL.min_dwell_s, ge=0)  # an expert keeps a new precision at least this long
     plan_interval_s: float = Field(default=_CTL.plan_interval_s, ge=0)  # at most one (non-emergency) plan per interval
     rescale_interval_s: float = Field(default=_CTL.rescale_interval_s, ge=0)  # routing-drift re-scaling (0: off)
+    # Under slo.tpot_ms, upgrades stop where the predicted step is within this fraction of it.
+    latency_margin: float = Field(default=_CTL.latency_margin, ge=0, lt=1)
     # static-mixed: the fixed weight budget, as a fraction of every expert at the top precision.
     static_mixed_fraction: float = Field(default=CoreConfig.static_mixed_fraction, gt=0, le=1)
 

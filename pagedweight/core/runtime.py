@@ -333,6 +333,12 @@ class RuntimeCore:
         self.backend.poll()
         self.plan_step()
 
+    def set_step_time_model(self, step_time_s) -> None:
+        """Give the controller the runtime's prediction of a step's seconds for a precision map
+        (flat ids per routed expert), which puts speed in its objective under a TPOT SLO."""
+        if self.controller is not None:
+            self.controller.step_time_s = step_time_s
+
     # ---- precision changes --------------------------------------------------------------------
     def _on_pressure(self, blocks_short: int) -> None:
         self.apply(self.controller.on_pressure(blocks_short, self.clock()))
@@ -436,3 +442,5 @@ class RuntimeCore:
             quality_proxy=self.quality_proxy,
         )
         self._counters = [0, 0, 0, 0]
+        if self.controller is not None:
+            self.controller.observe_step(duration_s)

@@ -70,6 +70,7 @@ SCENARIO = {
         "min_dwell_s": 0.7,
         "plan_interval_s": 0.01,
         "rescale_interval_s": 3.0,
+        "latency_margin": 0.25,
         "static_mixed_fraction": 0.7,
     },
     "policies": POLICIES,
