@@ -50,7 +50,7 @@ class ChangeKind(Enum):
 
 DOWNGRADE, UPGRADE, ABORT = ChangeKind.DOWNGRADE, ChangeKind.UPGRADE, ChangeKind.ABORT
 ROUTED_BLOCK_STEPS = 256
-STEP_EMA_WEIGHT = 0.05
+STEP_EMA_WEIGHT = 1 / 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,7 +290,7 @@ class Controller:
 
     def observe_step(self, duration_s: float) -> None:
         """A step's duration: each running request got one token from it, so the recent mean is
-        the TPOT a decoding request sees (an EMA over ~20 steps)."""
+        the TPOT a decoding request sees (an EMA over ~256 steps, about one output)."""
         if self._step_ema_s == 0.0:
             self._step_ema_s = duration_s
         else:
