@@ -26,6 +26,7 @@ from simpy.core import URGENT
 from simpy.events import Event
 
 from pagedweight.core.pagetable import Transition
+from pagedweight.core.prefix import TraceBlockKeys, own_block_keys
 from pagedweight.core.runtime import CoreConfig, Executed, RuntimeCore, Step
 from pagedweight.core.scheduler import Request
 from pagedweight.policy.controller import DOWNGRADE
@@ -97,11 +98,20 @@ class SimEngine:
     # ---- processes --------------------------------------------------------------------------------
     def arrivals(self, env: simpy.Environment):
         tr, core = self.trace, self.core
+        # Prefix caching keys blocks by the trace's block ids; without them requests share
+        # nothing, but a preempted request finds its own blocks again (pagedweight.core.prefix).
+        caching = core.scheduler.prefix_caching
+        keys = TraceBlockKeys(tr.hash_ids) if tr.hash_ids is not None and caching else None
+        block_tokens = core.kv.block_tokens
         for i in range(len(tr)):
             delay = float(tr.arrival_s[i]) - env.now
             if delay > 0:
                 yield UrgentTimeout(env, delay)
             req = Request(i, float(tr.arrival_s[i]), int(tr.prompt_tokens[i]), int(tr.output_tokens[i]))
+            if keys is not None:
+                req.block_hashes = keys.keys(i, req.prompt_tokens, block_tokens)
+            elif caching:
+                req.block_hashes = own_block_keys(i, req.prompt_tokens, block_tokens)
             self.requests.append(req)
             core.add(req)
             self._wake_engine()

@@ -33,6 +33,7 @@ def core_config(loaded: LoadedScenario) -> CoreConfig:
         budget_bytes=loaded.budget_bytes,
         page_bytes=sc.memory.page_bytes,
         kv_block_tokens=sc.memory.kv_block_tokens,
+        prefix_caching=sc.memory.prefix_caching,
         scheduler=SchedulerConfig(
             **sc.scheduler.model_dump(exclude={"max_model_len"}), max_model_len=loaded.max_model_len
         ),

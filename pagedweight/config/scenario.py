@@ -3,7 +3,8 @@
     name: longctx
     model: mixtral-8x7b            # built-in name (``pwsim specs``) or a path to a ModelSpec YAML
     gpu: h200
-    memory: {budget: 120 GiB, page_bytes: 2 MiB, kv_block_tokens: 16, precisions: [bf16, fp8, int8, int4]}
+    memory: {budget: 120 GiB, page_bytes: 2 MiB, kv_block_tokens: 16, prefix_caching: true,
+             precisions: [bf16, fp8, int8, int4]}
     workload: {kind: trace, path: ../traces/longctx.jsonl, format: mooncake}
     scheduler: {max_num_batched_tokens: 8192, max_num_seqs: 256}
     latency: {kind: analytic}
@@ -79,6 +80,9 @@ class MemoryConfig(_Strict):
     budget_fraction: float | None = Field(default=None, gt=0, le=1)
     page_bytes: Bytes = DEFAULT_PAGE_BYTES
     kv_block_tokens: int = Field(default=CoreConfig.kv_block_tokens, ge=1)
+    # Keep full prompt blocks' KV for later requests with the same prefix (pagedweight.core.prefix):
+    # the engine keys blocks by token ids, the simulator by a trace's hash_ids (none: no sharing).
+    prefix_caching: bool = CoreConfig.prefix_caching
     precisions: tuple[str, ...] = ("bf16", "fp8", "int8", "int4")
 
     @field_validator("precisions")

@@ -44,7 +44,13 @@ PRECISION_COLOURS = {
     "int3": "#9e0142",
     "int2": "#5e3c99",
 }
-MEMORY_COLOURS = {"pinned": "#636363", "transition": "#e377c2", "kv": "#4f81bd", "free": "#ececec"}
+MEMORY_COLOURS = {
+    "pinned": "#636363",
+    "transition": "#e377c2",
+    "kv": "#4f81bd",
+    "kv_cached": "#9ecae1",
+    "free": "#ececec",
+}
 GIB = 2**30
 DPI = 90
 FIG_WIDTH_IN = 13.0  # every figure the same width: they stack in one column of the page
@@ -96,6 +102,12 @@ def memory_figure(run: RunResults, out_png: Path) -> Path | None:
         *((f"weight_pages_{p}", f"experts {p}", PRECISION_COLOURS.get(p, "#17becf")) for p in precisions),
         ("transition_pages", "transition in flight", MEMORY_COLOURS["transition"]),
         ("kv_pages", "KV cache", MEMORY_COLOURS["kv"]),
+        # Runs written before prefix caching have no such column.
+        *(
+            [("kv_cached_pages", "cached prefixes (evictable)", MEMORY_COLOURS["kv_cached"])]
+            if "kv_cached_pages" in steps and steps["kv_cached_pages"].any()
+            else []
+        ),
         ("free_pages", "free", MEMORY_COLOURS["free"]),
     ]
     fig, axes = _grid(len(policies), 2.3)

@@ -111,12 +111,31 @@ def policy_summary(requests: list[Request], core: RuntimeCore, slo: Slo, wall_s:
         max_quality_proxy=float(steps["quality_proxy"].max()) if n else 0.0,
         num_downgrades=int(steps["num_downgrades"].sum()),
         num_upgrades=int(steps["num_upgrades"].sum()),
+        **prefix_summary(core, steps),
         h2d_bytes=int(h2d_bytes),
         simulated_s=sim_s,
         wall_s=wall_s,
         sim_s_per_wall_s=sim_s / wall_s if wall_s > 0 else float("inf"),
     )
     return s
+
+
+def prefix_summary(core: RuntimeCore, steps: dict[str, np.ndarray]) -> dict:
+    """Prefix caching's figures: the share of prompt tokens looked up that were found cached
+    (vLLM's prefix cache hit rate), the prefill tokens that saved, the cached blocks evicted, and
+    the peak KV memory held by requests and by the cache."""
+    sched, page_bytes = core.scheduler, core.pool.page_bytes
+    kv, cached = steps["kv_pages"], steps["kv_cached_pages"]
+    return {
+        "prefix_caching": bool(sched.prefix_caching),
+        "prefix_cache_hit_rate": sched.prefix_hit_tokens / sched.prefix_query_tokens
+        if sched.prefix_query_tokens
+        else 0.0,
+        "prefill_tokens_saved": int(sched.prefix_hit_tokens),
+        "num_evicted_blocks": int(core.kv.num_evicted_blocks),
+        "peak_kv_bytes": int(kv.max()) * page_bytes if len(kv) else 0,
+        "peak_kv_cached_bytes": int(cached.max()) * page_bytes if len(cached) else 0,
+    }
 
 
 TABLES = ("requests", "steps", "transitions", "initial_precisions")

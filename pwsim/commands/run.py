@@ -64,6 +64,7 @@ def format_table(summary: dict) -> str:
         ("mean_tpot_ms", "TPOT ms", "{:.2f}"),
         ("num_preemptions", "preempt", "{:.0f}"),
         ("mean_quality_proxy", "quality", "{:.4f}"),
+        ("prefix_cache_hit_rate", "prefix hit", "{:.1%}"),
         ("completed", "done", "{:.0f}"),
     ]
     rows = [["policy", *(h for _, h, _ in cols)]]

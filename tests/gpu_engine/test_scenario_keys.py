@@ -42,6 +42,7 @@ SCENARIO = {
         "budget": "40 MiB",
         "page_bytes": "64 KiB",
         "kv_block_tokens": 8,
+        "prefix_caching": False,
         "precisions": ["bf16", "int8", "int4"],
     },
     "workload": {
@@ -144,6 +145,11 @@ CHECKS = {
     ),
     "memory.kv_block_tokens": both(
         lambda r: core(r, "sim").kv.block_tokens, lambda r: core(r, "engine").kv.block_tokens, lambda r: 8
+    ),
+    "memory.prefix_caching": both(
+        lambda r: core(r, "sim").scheduler.prefix_caching,
+        lambda r: core(r, "engine").scheduler.prefix_caching,
+        lambda r: False,
     ),
     "memory.precisions": both(
         lambda r: core(r, "sim").controller.table.ladder,
