@@ -364,3 +364,90 @@ def test_random_shared_prefix_workloads_keep_every_invariant():
     # Together the examples must have run long and hit often, or the property says little.
     assert sum(steps for steps, _ in results) >= 400
     assert sum(hits > 0 for _, hits in results) >= 5
+
+
+# ---- the multi-turn generator ----------------------------------------------------------------
+
+
+def test_multi_turn_turns_share_their_conversation_prefix():
+    from pagedweight.workload.stats import prefix_stats
+    from pagedweight.workload.synth import multi_turn_chat
+
+    trace = multi_turn_chat(seed=3, duration_s=120)
+    assert len(trace) > 50 and (np.diff(trace.arrival_s) >= 0).all()
+    for ids, prompt in zip(trace.hash_ids, trace.prompt_tokens, strict=True):
+        assert len(ids) == -(-int(prompt) // 512)
+    # Some request's full blocks reappear at the start of a later, longer prompt (its next turn).
+    firsts = {}
+    resent = 0
+    for ids, prompt in zip(trace.hash_ids, trace.prompt_tokens, strict=True):
+        full = tuple(ids[: int(prompt) // 512].tolist())
+        resent += any(full[:k] in firsts for k in range(2, len(full) + 1))
+        for k in range(2, len(full) + 1):
+            firsts[full[:k]] = True
+    assert resent > 10
+    stats = prefix_stats(trace)
+    assert 0.3 < stats["prefix_hit_rate"] < 1 and stats["block_ids_seen_before_share"] > 0.3
+    assert prefix_stats(trace, capacity_blocks=4)["prefix_hit_rate"] < stats["prefix_hit_rate"]
+
+
+def test_shipped_multiturn_trace_regenerates_exactly(tmp_path):
+    from pathlib import Path
+
+    from pagedweight.workload.synth import synthesize
+    from pagedweight.workload.traces import write_jsonl
+
+    shipped = Path(__file__).resolve().parents[1] / "traces" / "multiturn.jsonl"
+    write_jsonl(synthesize("multiturn", seed=1), tmp_path / "t.jsonl")
+    assert (tmp_path / "t.jsonl").read_bytes() == shipped.read_bytes()
+    back = load_mooncake(tmp_path / "t.jsonl")
+    assert back.hash_ids is not None and len(back) == len(back.hash_ids)
+
+
+def test_simulator_hits_only_where_the_trace_says(tmp_path):
+    """The shipped multi-turn scenario hits; the same requests without hash_ids hit only
+    themselves after a preemption (none here), and caching off hits nothing."""
+    from pathlib import Path
+
+    from pagedweight.config.run import scenario_run
+    from pagedweight.config.scenario import load_scenario
+    from pwsim.latency import build_latency_model
+    from pwsim.run import scenario_engine
+
+    root = Path(__file__).resolve().parents[1]
+    plain = tmp_path / "plain.jsonl"
+    rows = [json.loads(line) for line in (root / "traces" / "multiturn.jsonl").read_text().splitlines()[:300]]
+    plain.write_text("".join(json.dumps({k: r[k] for k in r if k != "hash_ids"}) + "\n" for r in rows))
+    hits = {}
+    for label, sets in {
+        "on": [],
+        "off": ["memory.prefix_caching=false"],
+        "no ids": [f"workload.path={plain}"],
+    }.items():
+        loaded = load_scenario(root / "scenarios" / "multiturn.yaml", ["workload.max_requests=300", *sets])
+        run = scenario_run(loaded, ["static-int4"])
+        lat = build_latency_model(loaded.scenario.latency, loaded.model, loaded.gpu, loaded.base_dir)
+        eng = scenario_engine(run, "static-int4", lat, loaded.scenario.routing)
+        eng.run()
+        assert sum(r.num_preemptions for r in eng.requests) == 0
+        hits[label] = eng.core.scheduler.prefix_hit_tokens
+    assert hits["on"] > 0 and hits["off"] == 0 and hits["no ids"] == 0
+
+
+def test_the_downgrade_reserve_holds_back_cached_pages_too():
+    """One block a page: KV may take free and cached pages only down to the reserve, so that a
+    downgrade still finds pages for its new copy (by reclaiming cached ones)."""
+    pool = PagePool(5 * PAGE, PAGE)
+    kv = KvBlockAllocator(pool, 1, PAGE)
+    blocks = kv.allocate(4)
+    for i, b in enumerate(blocks):
+        kv.cache_block(b, i)
+    kv.free(blocks)
+    kv.reserve_pages = 2
+    assert pool.num_free == 1 and kv.num_cached_blocks == 4 and kv.num_free_blocks == 3
+    with pytest.raises(PoolExhausted):
+        kv.allocate(4)
+    kv.allocate(3)
+    assert pool.num_available == 2 and kv.num_free_blocks == 0
+    assert len(pool.alloc(weight_owner(0), 2)) == 2  # a downgrade's pages: reclaimed
+    kv.check()

@@ -292,8 +292,13 @@ class KvBlockAllocator:
     @property
     def num_free_blocks(self) -> int:
         """Blocks available now: free slots in KV pages, whole free pages of the pool, and
-        evictable cached blocks."""
+        evictable cached blocks. With one block a page, the downgrade reserve holds back free
+        and cached pages alike (a cached page is reclaimed for a downgrade's new pages as a free
+        one is); with several, only free pages (a cached page's blocks are counted in full)."""
         spare_pages = self.pool.num_free - self.reserve_pages
+        if self.blocks_per_page == 1:
+            spare_pages += len(self._evictable)
+            return spare_pages if spare_pages > 0 else 0
         return (
             self._num_free_in_pages
             + len(self._evictable)
