@@ -230,6 +230,7 @@ def run_section(run: RunResults, prefix: str, out_dir: Path, anchor: str) -> str
         ("latency", plots.latency_figure, "Latency CDFs, throughput, goodput and preemptions."),
         ("quality", plots.quality_figure, "Quality proxy over time, and quality against throughput."),
         ("transitions", plots.transitions_figure, "Precision transitions: bytes per second moved."),
+        ("prefix", plots.prefix_figure, "Prefix caching: prefill saved by hits, evictions, cached memory."),
     )
     if run.steps.empty:
         parts.append("<p>No steps.csv: memory, quality and transition figures are not drawn.</p>")

@@ -293,6 +293,40 @@ def quality_figure(run: RunResults, out_png: Path) -> Path:
     return save_png(fig, out_png)
 
 
+def prefix_figure(run: RunResults, out_png: Path) -> Path | None:
+    """Prefix caching over time per policy: the prefill tokens cache hits have saved so far,
+    the cached blocks evicted so far, and the memory cached prefixes hold. None for a run
+    without prefix caching's columns, or in which it never hit or evicted."""
+    steps = run.steps
+    if "prefix_hit_tokens" not in steps or not (steps["prefix_hit_tokens"].any() or steps["kv_evicted_blocks"].any()):
+        return None
+    page_gib = run.summary["page_bytes"] / GIB
+    fig = Figure(figsize=(FIG_WIDTH_IN, 4.0), layout="constrained")
+    ax_hit, ax_ev, ax_mem = fig.subplots(1, 3)
+    for p in run.policies:
+        mine = steps[steps["policy"] == p]
+        if mine.empty:
+            continue
+        # Running totals on every step, then sampled (sampling first would drop steps' counts).
+        totals = mine.assign(hits=mine["prefix_hit_tokens"].cumsum(), evicted=mine["kv_evicted_blocks"].cumsum())
+        s = sample_steps(totals, ["hits", "evicted", "kv_cached_pages"])
+        style = {"color": policy_colour(p), "lw": 1.4, "label": p}
+        ax_hit.plot(s["time_s"], s["hits"], **style)
+        ax_ev.plot(s["time_s"], s["evicted"], **style)
+        ax_mem.step(s["time_s"], s["kv_cached_pages"] * page_gib, where="post", **style)
+    for ax, title in (
+        (ax_hit, "prefill tokens saved (cumulative)"),
+        (ax_ev, "cached blocks evicted (cumulative)"),
+        (ax_mem, "memory of cached prefixes (GiB)"),
+    ):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(_time_label(run))
+        ax.grid(alpha=0.3)
+    fig.legend(*ax_hit.get_legend_handles_labels(), loc="outside lower center", ncols=min(len(run.policies), 7))
+    fig.suptitle("Prefix caching: hits, evictions and the memory it holds", fontsize=12)
+    return save_png(fig, out_png)
+
+
 def transitions_figure(run: RunResults, out_png: Path, num_bins: int = 200) -> Path | None:
     """Bytes upgraded (host to device, up) and downgraded (on the device, down) per second per
     policy that changed precision, KV bytes swapped per second for kv-swap, against the
