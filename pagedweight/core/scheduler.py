@@ -26,7 +26,7 @@ No torch and no SimPy here: both runtimes drive this class with their own clocks
 from __future__ import annotations
 
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -36,7 +36,7 @@ import numpy as np
 
 from pagedweight.core.pool import KvBlockAllocator
 from pagedweight.core.step import StepShape
-from pagedweight.errors import ConfigError
+from pagedweight.errors import ConfigError, PoolError
 
 
 class RequestState(Enum):
@@ -451,25 +451,24 @@ class Scheduler:
                 req.num_cached_blocks = full
 
     def check_prefix_cache(self) -> None:
-        """Invariants across requests (tests call it every step): a cached block is held by as
-        many requests as its count says, a private block by one; no request holds an evictable
-        block; and every cached block a request holds sits at the position of its key in that
-        request's keys, so a hit never serves another prompt's KV."""
-        from collections import Counter
-
+        """Raise ``PoolError`` if an invariant across requests is broken (tests call it every
+        step): a cached block is held by as many requests as its count says, a private block by
+        one; no request holds an evictable block; and every cached block a request holds sits at
+        the position of its key in that request's keys, so a hit never serves another prompt's KV."""
         kv = self.kv
         held = Counter(b for r in self.running for b in r.block_ids)
         for block, n in held.items():
             want = kv.holders(block) if kv.key_of(block) is not None else 1
             if n != want:
-                raise AssertionError(f"KV block {block} held by {n} requests; expected {want}")
+                raise PoolError(f"KV block {block} held by {n} requests; expected {want}")
         if len(held) != kv.num_used_blocks:
-            raise AssertionError(f"{len(held)} blocks held; the allocator counts {kv.num_used_blocks}")
+            raise PoolError(f"{len(held)} blocks held; the allocator counts {kv.num_used_blocks}")
         for r in self.running:
             for j, block in enumerate(r.block_ids):
                 key = kv.key_of(block)
-                if key is not None and (r.block_hashes is None or j >= len(r.block_hashes) or r.block_hashes[j] != key):
-                    raise AssertionError(f"request {r.request_id} holds block {block} of another prefix at {j}")
+                keys = r.block_hashes
+                if key is not None and (keys is None or j >= len(keys) or keys[j] != key):
+                    raise PoolError(f"request {r.request_id} holds block {block} of another prefix at {j}")
 
     # ---- what the controller plans with -----------------------------------------------------
     def forecast_kv_blocks(self, horizon_steps: int) -> int:
