@@ -467,9 +467,9 @@ class KvBlockAllocator:
             self.pool.transfer_list(pages, from_owner, to_owner)
 
     def release(self, blocks: list[int]) -> None:
-        """Cached blocks lose one holder each; a block nobody holds becomes evictable (most
-        recently used: the last of a request's blocks is evicted first, as its prefix is the
-        least likely to be shared)."""
+        """Cached blocks lose one holder each; a block nobody holds becomes evictable, as the
+        most recently used, a request's last block ahead of its first: so its last block, the
+        prefix least likely to be shared, is evicted first (as vLLM does)."""
         refs, evictable, bpp = self._refs, self._evictable, self.blocks_per_page
         idle: list[int] = []
         for block in reversed(blocks):
