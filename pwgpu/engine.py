@@ -141,9 +141,11 @@ class Engine:
         cfg: EngineConfig,
         table: ImportanceTable | None = None,
         clock: Clock | None = None,
+        ep=None,
     ):
         """``table``: the importance table to plan with (a scenario's); default: the file
-        ``cfg.importance`` names, else a synthetic table."""
+        ``cfg.importance`` names, else a synthetic table. ``ep``: this process's
+        ``pwgpu.ep.EpGroup`` (expert parallelism: this rank's share of the experts)."""
         self.cfg = cfg
         self.clock = clock or WallClock()
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -172,6 +174,9 @@ class Engine:
                 f"importance table {cfg.importance or table.source} has {table.num_layers} layers x "
                 f"{table.num_experts} experts; {self.model_dir} has {self.spec.num_moe_layers} x {arch.num_experts}"
             )
+        self.ep = ep
+        if ep is not None:  # this rank's experts, their importance rows and its share of the model
+            masters, table, self.spec = ep.share(masters, table, self.spec)
         self.table: ImportanceTable = table
         core_cfg = cfg.core.for_model(self.spec)
         self.page_bytes = core_cfg.page_bytes
@@ -179,7 +184,12 @@ class Engine:
         self.core = RuntimeCore(core_cfg, cfg.policy, table, self.store, clock=self.clock.now)
         pinned = self.store.attach(self.core, pinned_weights(ckpt, self.dtype, torch.device("cpu")))
         del ckpt
-        self.model = MoeTransformer(arch, pinned, self.store, self.device)
+        experts = self.store
+        if ep is not None:
+            from pwgpu.ep import EpExperts
+
+            experts = EpExperts(self.store, ep)
+        self.model = MoeTransformer(arch, pinned, experts, self.device)
         kv = self.core.kv
         parts, heads, dims = arch.kv_cache_geometry  # K and V, or MLA's one latent
         self.kv_cache = PagedKvCache(
@@ -310,7 +320,7 @@ class Engine:
                 last_rows.append(len(ids) - 1)
                 ers.append(er)
         attn, positions = build_batch(seqs, self.core.kv.block_tokens, self.device)
-        counts = torch.zeros(self.spec.num_moe_layers, self.spec.num_experts, dtype=torch.int64, device=self.device)
+        counts = torch.zeros(self.spec.num_moe_layers, self.arch.num_experts, dtype=torch.int64, device=self.device)
         hidden = self.model.forward(torch.tensor(ids, device=self.device), positions, attn, self.kv_cache, counts)
         if ers:
             logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
@@ -325,7 +335,8 @@ class Engine:
                     er.req.stop_early = True
                     er.finish_reason = "stop"
                 self._sampled.append((er, tok))
-        step.observe_routing(counts.cpu().numpy())  # the step's one copy of the counts to the host
+        counts_host = counts.cpu().numpy()  # the step's one copy of the counts to the host
+        step.observe_routing(counts_host if self.ep is None else self.ep.local_counts(counts_host))
         self.clock.step_done(step.start_s)
         return Executed()
 

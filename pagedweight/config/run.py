@@ -56,6 +56,8 @@ class ScenarioRun:
     seed: int  # of the workload's generator, the simulator's routing and the engine's prompts
     slo: Slo
     resolved_yaml: str  # the scenario with every default filled in (scenario.resolved.yaml)
+    ep: int = 1  # GPUs of the replica under expert parallelism (``parallel.ep``)
+    replicas: int = 1  # replicas behind a router (``cluster.replicas``)
 
 
 def scenario_run(loaded: LoadedScenario, policies: list[str] | None = None) -> ScenarioRun:
@@ -71,4 +73,6 @@ def scenario_run(loaded: LoadedScenario, policies: list[str] | None = None) -> S
         seed=sc.seed,
         slo=Slo(**sc.slo.model_dump()),
         resolved_yaml=yaml.safe_dump(sc.model_dump(mode="json"), sort_keys=False),
+        ep=sc.parallel.ep,
+        replicas=sc.cluster.replicas,
     )

@@ -139,6 +139,8 @@ def prefix_summary(core: RuntimeCore, steps: dict[str, np.ndarray]) -> dict:
 
 
 TABLES = ("requests", "steps", "transitions", "initial_precisions")
+# Tables only some runs have (an expert-parallel replica's, ``pwsim.parallel``): joined when present.
+OPTIONAL_TABLES = ("steps_by_rank", "ep_steps")
 
 
 def write_policy_tables(parts_dir: Path, policy: str, requests: list[Request], core: RuntimeCore) -> None:
@@ -250,6 +252,10 @@ class ResultsWriter:
         if self._parts:
             for name in TABLES:
                 join_csv_parts([p / f"{name}.csv" for p in self._parts], out / f"{name}.csv")
+            for name in OPTIONAL_TABLES:
+                parts = [p / f"{name}.csv" for p in self._parts if (p / f"{name}.csv").is_file()]
+                if parts:
+                    join_csv_parts(parts, out / f"{name}.csv")
         atomic_write_text(out / "summary.json", json.dumps(self.meta, indent=2, default=_json_default) + "\n")
         if scenario_yaml is not None:
             atomic_write_text(out / "scenario.resolved.yaml", scenario_yaml)
