@@ -3,10 +3,12 @@
 # the kernel benchmark, `pwgpu profile` (Mixtral-8x7B on a grid fitted to the validation
 # scenario), then the engine's static-fp16 vs pagedweight run and the simulator's validation
 # against it (scenarios/gpu_validate.yaml, timed by the table just measured; the step overhead
-# fitted on static-fp16, so pagedweight's errors are out of sample). Last, with the time left
-# of a 9-minute whole, the engine serves a DeepSeek-V3-shaped FP8 model cut to 4 layers (2
-# dense + 2 MoE layers of 256 experts, random weights): MLA attention over the paged latent
-# cache and the fused MoE kernel on FP8-block and INT4 experts at DeepSeek's shapes.
+# fitted on static-fp16, so pagedweight's errors are out of sample), then the engine against
+# transformers' generate with its host overhead per decode step (benchmarks/engine_vs_hf.py).
+# Last, with the time left of a 9-minute whole, the engine serves a DeepSeek-V3-shaped FP8
+# model cut to 4 layers (2 dense + 2 MoE layers of 256 experts, random weights): MLA attention
+# over the paged latent cache and the fused MoE kernel on FP8-block and INT4 experts at
+# DeepSeek's shapes.
 # Everything it writes lands under $OUT (default ./gpu_check_out); summary.txt says which
 # stage finished. Commit $OUT/h200.csv (+ meta) as traces/kernels/h200.csv and the figures.
 #
@@ -73,6 +75,25 @@ cp "$OUT/h200.csv" traces/kernels/h200.csv && cp "$OUT/h200.meta.yaml" traces/ke
 wait "$RANDOM_MODEL_PID" || echo "random model: failed (see random_model.log)" | tee -a "$OUT/summary.txt"
 stage validate 170 python3 -m pwsim.cli validate scenarios/gpu_validate.yaml --out-dir "$OUT/validate" \
   --calibrate static-fp16 --check
+# The engine against transformers' generate on the default model (models/tiny-moe, bf16), and
+# the engine's host overhead per decode step: step wall time against the time the device is
+# busy (kernel spans from torch.profiler); the target is under 10% of the step.
+stage engine_speed 90 python3 benchmarks/engine_vs_hf.py --device cuda --dtype bfloat16 --batches 8,32 --reps 2
+grep -h "ratio\|host overhead" "$OUT/engine_speed.log" | tee -a "$OUT/summary.txt"
+# Expert parallelism on two GPUs over NCCL: the trained tiny model's experts split across two
+# ranks must give the one-GPU engine's greedy tokens and logits (as tests/gpu_engine/test_ep_engine.py
+# checks with gloo on the CPU).
+NUM_GPUS=$(nvidia-smi --list-gpus 2> /dev/null | wc -l)
+if [ "$NUM_GPUS" -ge 2 ]; then
+  stage ep_2gpu 90 bash -c "python3 tests/gpu_engine/ep_worker.py models/tiny-moe '$OUT/ep_single.npz' --device cuda \
+    && python3 tests/gpu_engine/ep_worker.py models/tiny-moe '$OUT/ep_2gpu' --ranks 2 --device cuda \
+    && python3 -c \"import numpy as np, sys; s = np.load('$OUT/ep_single.npz'); \
+r = [np.load(f'$OUT/ep_2gpu.rank{i}.npz') for i in range(2)]; \
+d = max(float(np.abs(x['logits'] - s['logits']).max()) for x in r); ok = all((x['tokens'] == s['tokens']).all() for x in r); \
+print('tokens equal:', ok, 'max logit difference:', d); sys.exit(0 if ok and d < 1e-3 else 1)\""
+else
+  echo "ep_2gpu: skipped: expert parallelism needs 2 or more GPUs and this machine has $NUM_GPUS" | tee -a "$OUT/summary.txt"
+fi
 wait "$DEEPSEEK_MODEL_PID" || echo "random DeepSeek model: failed (see random_deepseek.log)" | tee -a "$OUT/summary.txt"
 # One policy per run, so that what finishes is kept: FP8-block experts as shipped, then INT4.
 for policy in static-fp16 static-int4; do
@@ -84,6 +105,6 @@ for policy in static-fp16 static-int4; do
   stage "deepseek_$policy" "$LEFT_S" python3 -m pwgpu.cli run --like deepseek-v3 --layers "$DEEPSEEK_LAYERS" \
     --trace traces/chat.jsonl --max-requests 16 --mem-budget 34GiB --policies "$policy" --out "$OUT/deepseek_$policy"
 done
-tail -n 4 "$OUT/pytest_gpu.log" "$OUT/bench.log" "$OUT/profile.log" "$OUT/validate.log" "$OUT"/deepseek_*.log \
+tail -n 4 "$OUT/pytest_gpu.log" "$OUT/bench.log" "$OUT/profile.log" "$OUT/validate.log" "$OUT/engine_speed.log" "$OUT"/deepseek_*.log \
   >> "$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"

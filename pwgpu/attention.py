@@ -10,8 +10,9 @@ shared RoPE key, ``[L, 1, T_blk, 1, kv_lora_rank + qk_rope_head_dim]`` (``pwgpu.
 
 - ``paged_attention``: every request with one new token (the decodes, also in a batch mixed
   with prefill chunks) goes through one batched ``paged_decode`` call (Triton on CUDA,
-  ``paged_decode_ref`` elsewhere); each prefill chunk gathers its request's context and uses
-  SDPA with a causal mask offset by the tokens already cached.
+  ``cpu_kernels.paged_decode_sdpa`` elsewhere; both are tested against ``paged_decode_ref``);
+  each prefill chunk gathers its request's context and uses SDPA with a causal mask offset by
+  the tokens already cached.
 
 Shape legend: T = new tokens, B = requests, Hq / Hkv = query / KV heads, D = head dim,
 L = layers, M = max blocks per request, T_blk = tokens per block, C = context tokens.
@@ -82,11 +83,25 @@ class PagedKvCache:
         )
         size = (num_pages, blocks_per_page, num_layers, num_parts, block_tokens, num_kv_heads, head_dim)
         self.view = torch.as_strided(typed, size, strides)  # [pages, bpp, L, parts, T_blk, Hkv, D]
+        # Pages holding their blocks back to back (no slack at the end) make block b start at
+        # b * block_bytes: the arena is then rows of one block's one layer's K or V, in order
+        # (block, layer, part), and a request's context is gathered by one index_select of
+        # whole rows, where indexing by (page, slot) copies element by element.
+        self.blocks: torch.Tensor | None = None  # [blocks, L, parts, T_blk, Hkv, D]
+        self.rows: torch.Tensor | None = None  # the same, contiguous: [blocks * L * parts, T_blk * Hkv * D]
+        if blocks_per_page * self.block_bytes == page_bytes:
+            self.blocks = torch.as_strided(typed, (num_pages * blocks_per_page, *size[2:]), strides[1:])
+            self.rows = typed.view(-1, block_tokens * tok)
 
     def write(
         self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None
     ) -> None:
         """k, v [T, Hkv, D] into token ``offsets[i]`` of block ``blocks[i]`` (v is None for MLA)."""
+        if self.blocks is not None:
+            self.blocks[blocks, layer, 0, offsets] = k.to(self.dtype)
+            if v is not None:
+                self.blocks[blocks, layer, 1, offsets] = v.to(self.dtype)
+            return
         page, slot = blocks // self.blocks_per_page, blocks % self.blocks_per_page
         self.view[page, slot, layer, 0, offsets] = k.to(self.dtype)
         if v is not None:
@@ -100,8 +115,12 @@ class PagedKvCache:
     def gather_part(self, layer: int, block_table: torch.Tensor, part: int) -> torch.Tensor:
         """block_table [B, M] -> part ``part`` (0: K or MLA's latent, 1: V) [B, M * T_blk, Hkv, D]."""
         b, m = block_table.shape
-        page, slot = block_table // self.blocks_per_page, block_table % self.blocks_per_page
         shape = (b, m * self.block_tokens, self.num_kv_heads, self.head_dim)
+        if self.rows is not None:
+            per_block = self.num_layers * self.num_parts
+            rows = block_table.reshape(-1) * per_block + (layer * self.num_parts + part)
+            return self.rows.index_select(0, rows).view(shape)
+        page, slot = block_table // self.blocks_per_page, block_table % self.blocks_per_page
         return self.view[page, slot, layer, part].reshape(shape)  # [B, M, T_blk, Hkv, D] -> [B, C, Hkv, D]
 
     def block_offsets(self, layer: int, block_table: torch.Tensor) -> torch.Tensor:
@@ -139,7 +158,9 @@ def paged_decode(q, kv, layer, block_tables, context_lens, scale):
         from pwgpu.kernels.attention import paged_decode_triton
 
         return paged_decode_triton(q, kv, layer, block_tables, context_lens, scale)
-    return paged_decode_ref(q, kv, layer, block_tables, context_lens, scale)
+    from pwgpu.cpu_kernels import paged_decode_sdpa
+
+    return paged_decode_sdpa(q, kv, layer, block_tables, context_lens, scale)
 
 
 def paged_attention(q: torch.Tensor, kv: PagedKvCache, layer: int, batch: AttentionBatch, scale: float):

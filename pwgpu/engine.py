@@ -24,6 +24,7 @@ from typing import Protocol
 
 import torch
 
+from pagedweight.core.prefix import token_block_keys
 from pagedweight.core.runtime import CoreConfig, Executed, RuntimeCore, Step
 from pagedweight.core.scheduler import FINISHED, REJECTED, Request
 from pagedweight.errors import ConfigError, PagedWeightError
@@ -140,9 +141,11 @@ class Engine:
         cfg: EngineConfig,
         table: ImportanceTable | None = None,
         clock: Clock | None = None,
+        ep=None,
     ):
         """``table``: the importance table to plan with (a scenario's); default: the file
-        ``cfg.importance`` names, else a synthetic table."""
+        ``cfg.importance`` names, else a synthetic table. ``ep``: this process's
+        ``pwgpu.ep.EpGroup`` (expert parallelism: this rank's share of the experts)."""
         self.cfg = cfg
         self.clock = clock or WallClock()
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -171,6 +174,9 @@ class Engine:
                 f"importance table {cfg.importance or table.source} has {table.num_layers} layers x "
                 f"{table.num_experts} experts; {self.model_dir} has {self.spec.num_moe_layers} x {arch.num_experts}"
             )
+        self.ep = ep
+        if ep is not None:  # this rank's experts, their importance rows and its share of the model
+            masters, table, self.spec = ep.share(masters, table, self.spec)
         self.table: ImportanceTable = table
         core_cfg = cfg.core.for_model(self.spec)
         self.page_bytes = core_cfg.page_bytes
@@ -178,7 +184,12 @@ class Engine:
         self.core = RuntimeCore(core_cfg, cfg.policy, table, self.store, clock=self.clock.now)
         pinned = self.store.attach(self.core, pinned_weights(ckpt, self.dtype, torch.device("cpu")))
         del ckpt
-        self.model = MoeTransformer(arch, pinned, self.store, self.device)
+        experts = self.store
+        if ep is not None:
+            from pwgpu.ep import EpExperts
+
+            experts = EpExperts(self.store, ep)
+        self.model = MoeTransformer(arch, pinned, experts, self.device)
         kv = self.core.kv
         parts, heads, dims = arch.kv_cache_geometry  # K and V, or MLA's one latent
         self.kv_cache = PagedKvCache(
@@ -220,9 +231,12 @@ class Engine:
                 f"token id {bad[0]} outside the vocabulary of {self.arch.vocab_size}",
             )
             req.finish_s = now_s
-        elif self.core.add(req):
-            self._by_req[req.request_id] = er
-            return er
+        else:
+            if self.core.scheduler.prefix_caching:
+                req.block_hashes = token_block_keys(er.prompt_ids, self.core.kv.block_tokens)
+            if self.core.add(req):
+                self._by_req[req.request_id] = er
+                return er
         er.finish_reason = "rejected"
         self._emit(er, [], True)
         return er
@@ -306,7 +320,7 @@ class Engine:
                 last_rows.append(len(ids) - 1)
                 ers.append(er)
         attn, positions = build_batch(seqs, self.core.kv.block_tokens, self.device)
-        counts = torch.zeros(self.spec.num_moe_layers, self.spec.num_experts, dtype=torch.int64, device=self.device)
+        counts = torch.zeros(self.spec.num_moe_layers, self.arch.num_experts, dtype=torch.int64, device=self.device)
         hidden = self.model.forward(torch.tensor(ids, device=self.device), positions, attn, self.kv_cache, counts)
         if ers:
             logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
@@ -321,7 +335,8 @@ class Engine:
                     er.req.stop_early = True
                     er.finish_reason = "stop"
                 self._sampled.append((er, tok))
-        step.observe_routing(counts.cpu().numpy())  # the step's one copy of the counts to the host
+        counts_host = counts.cpu().numpy()  # the step's one copy of the counts to the host
+        step.observe_routing(counts_host if self.ep is None else self.ep.local_counts(counts_host))
         self.clock.step_done(step.start_s)
         return Executed()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedweight.config.run import ScenarioRun
-from pagedweight.errors import PagedWeightError
+from pagedweight.errors import ConfigError, PagedWeightError
 from pagedweight.policy.importance import ImportanceTable
 from pagedweight.policy.policies import PolicyInfeasible
 from pagedweight.results.metrics import Slo
@@ -57,6 +57,16 @@ def scenario_engine_config(run: ScenarioRun, device: str | None = None, dtype: s
     """The engine configured exactly as ``pwsim`` configures its core for the scenario: the
     scenario's ``CoreConfig`` (so its model must be the checkpoint's) and bf16 compute, the
     2-byte weights and KV the simulator counts, unless ``dtype`` says otherwise."""
+    if run.ep > 1:
+        raise ConfigError(
+            f"scenario {run.name}: parallel.ep={run.ep}: the engine runs a scenario on one device; "
+            "expert parallelism across GPUs is simulated (pwsim run); allowed here: ep 1"
+        )
+    if run.replicas > 1:
+        raise ConfigError(
+            f"scenario {run.name}: cluster.replicas={run.replicas}: the engine runs one replica; "
+            "clusters are simulated (pwsim run); allowed here: replicas 1"
+        )
     return EngineConfig(core=run.core, device=device, dtype=dtype or SCENARIO_DTYPE)
 
 

@@ -19,15 +19,15 @@ import pandas as pd
 import torch
 import torch.nn.functional as F_
 
-from pagedweight.config.kernel_table import KEY_COLUMNS
+from pagedweight.config.kernel_table import KEY_COLUMNS, OP_GROUPS
 from pagedweight.core.spec import PRECISION_NAMES, ModelSpec
 from pagedweight.errors import ConfigError
 from pwgpu.attention import PagedKvCache, build_batch, paged_attention
+from pwgpu.cpu_kernels import DENSE_DTYPES
 from pwgpu.kernels.paging import PagedExperts
 from pwgpu.loader import DTYPES, default_dtype_name
 from pwgpu.mla import latent_attention
 from pwgpu.model import Rope, rms_norm
-from pwgpu.weights import CPU_DENSE_DTYPE
 
 MiB = 1 << 20
 NOTES = (
@@ -40,10 +40,15 @@ NOTES = (
     "engine's batched paged decode for batch requests of kv_len tokens each (MLA specs: the latent "
     "written into the blocks and the engine's absorbed latent attention, pwgpu/mla.py)",
     "dense: one layer's non-expert work as the engine runs it: two RMSNorms, the q/k/v/o projections, "
-    "RoPE, the router softmax and top-k, shared experts, residual adds (MLA: the attention parameters "
-    "as one matrix)",
+    "RoPE, the router softmax, top-k and renormalisation, the count of its choices, shared experts, both "
+    "residual adds (MLA: the attention parameters as one matrix)",
     "lm_head: final RMSNorm, LM head and greedy sampling for m sequences",
     "quantize: one master [n, k] matrix into a standalone packed blob",
+    "dequantize (CPU only): one [n, k] matrix read from its pages into the fp32 copy the CPU engine "
+    "keeps per expert; it runs again on an expert's first use after each precision change (GPU kernels "
+    "dequantise inside the MoE call: no rows)",
+    "meta 'upgrades': synchronous on a CPU (no copy stream: an upgrade is written inside the step that "
+    "starts it), asynchronous on a GPU (a side stream overlaps the copy with compute)",
 )
 
 
@@ -206,7 +211,7 @@ class Profiler:
         if on_gpu:
             from pwgpu.kernels.moe_gemm import fused_moe as run_moe
         else:
-            from pwgpu.kernels.reference import moe_ffn_dense_ref
+            from pwgpu.cpu_kernels import dense_expert, moe_ffn_grouped
         for prec in self.precisions:
             experts = PagedExperts.from_dense(
                 w1, w3, w2, [prec] * num, quantizer="triton" if on_gpu else "reference", scatter_seed=0
@@ -214,7 +219,7 @@ class Profiler:
             if not on_gpu:
                 # The CPU engine dequantises an expert once per precision change and then runs
                 # dense matmuls (pwgpu/weights.py): time that, not a dequantisation per call.
-                dense = [[experts.dequantize_matrix(i, j, CPU_DENSE_DTYPE) for i in range(num)] for j in range(3)]
+                dense = list(zip(*(dense_expert(experts, i) for i in range(num)), strict=True))  # (w13s, w2s)
             for e in es:
                 # The first e experts as a layer of their own: the kernel sizes blocks by m.
                 sub = PagedExperts(experts.pool, experts.page_offsets, experts.first_page[:e], (prec,) * e, h, f,
@@ -226,7 +231,7 @@ class Profiler:
                     if on_gpu:
                         fn = lambda x=x, ids=ids, w=weights, s=sub: run_moe(x, ids, w, s)  # noqa: E731
                     else:
-                        fn = lambda x=x, ids=ids, w=weights, d=dense: moe_ffn_dense_ref(x, ids, w, *d)  # noqa: E731
+                        fn = lambda x=x, ids=ids, w=weights, c=[m] * e, d=dense: moe_ffn_grouped(x, ids, w, *d, c)  # noqa: E731
                     self._record("moe_ffn", fn, precision=prec, m=m, e=e, n=f, k=h)
             del experts
         if on_gpu:
@@ -298,6 +303,7 @@ class Profiler:
         w_down = self._randn(h, shared, scale=shared**-0.5) if shared else None
         norm_w = torch.ones(h, device=self.device, dtype=self.dtype)
         head = self._randn(spec.vocab_size, h, scale=h**-0.5)
+        counts = torch.zeros(spec.num_experts, dtype=torch.int64, device=self.device)
 
         def dense(x, angles):
             # One layer of the engine's forward (pwgpu/model.py) without attention and experts.
@@ -313,11 +319,16 @@ class Profiler:
             x = x + q
             z = rms_norm(x, norm_w, eps)
             probs = torch.softmax(F_.linear(z, router).float(), dim=-1)
-            torch.topk(probs, spec.top_k, dim=-1)
+            weights, ids = torch.topk(probs, spec.top_k, dim=-1)
+            weights = weights / weights.sum(dim=-1, keepdim=True)  # renormalised, as for Mixtral
+            # The router's choices counted on the device, its weights cast for the experts.
+            ids_flat = ids.reshape(-1)
+            counts.index_add_(0, ids_flat, torch.ones_like(ids_flat))
+            weights.to(x.dtype)
             if w_up is not None:
                 gate, up = F_.linear(z, w_up).chunk(2, dim=-1)
                 x = x + F_.linear(F_.silu(gate) * up, w_down)
-            return x
+            return x + z  # the experts' output (the moe_ffn op) added to the residual
 
         def lm_head(hidden):
             logits = F_.linear(rms_norm(hidden, norm_w, eps), head).float()
@@ -341,6 +352,24 @@ class Profiler:
                     w = self._randn(n, k, scale=0.02, dtype=self.master_dtype)
                     self._record("quantize", lambda w=w, p=prec: run_quant(w, p), precision=prec, n=n, k=k)
 
+    def dequantize(self) -> None:
+        """The CPU engine's dequantisation of one expert matrix from its pages into the dense
+        copy its MoE path multiplies by (``pwgpu.weights.WeightStore.moe_ffn``; 16-bit experts
+        stay 16-bit, the rest become fp32: ``pwgpu.cpu_kernels.DENSE_DTYPES``). A GPU's
+        MoE kernel reads the packed pages itself: nothing to time there."""
+        if self.device.type == "cuda":
+            return
+        h, f = self.model.hidden_size, self.model.expert_ffn_size
+        for prec in self.precisions:
+            for n in sorted({h, f}):
+                for k in sorted({h, f}):  # the full cross product, as for quantize
+                    # One expert whose first matrix is [n, k] (w1, w3 [n, k]; w2 [k, n]).
+                    w = self._randn(n, k, scale=0.02, dtype=self.master_dtype)
+                    experts = PagedExperts.from_dense([w], [w], [w.T.contiguous()], [prec], scatter_seed=0)
+                    dtype = DENSE_DTYPES.get(prec, torch.float32)
+                    fn = lambda x=experts, d=dtype: x.dequantize_matrix(0, 0, d)  # noqa: E731
+                    self._record("dequantize", fn, precision=prec, n=n, k=k)
+
     def h2d_copy(self) -> None:
         for num_bytes in self.grid.h2d_bytes:
             src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
@@ -362,7 +391,7 @@ def profile(
     grid_name: str | Grid = "small",
     device: str | torch.device | None = None,
     precisions: tuple[str, ...] = PRECISION_NAMES,
-    ops: tuple[str, ...] = ("moe_ffn", "attention", "dense", "quantize", "h2d_copy"),
+    ops: tuple[str, ...] = OP_GROUPS,
     on_progress: Callable[[pd.DataFrame, dict], None] | None = None,
     dtype: str | None = None,
 ) -> tuple[pd.DataFrame, dict]:
@@ -385,7 +414,8 @@ def profile(
         for model in models:
             prof = Profiler(model, grid, dev, precisions, DTYPES[dtype])
             steps = {"moe_ffn": prof.moe_ffn, "attention": prof.attention, "dense": prof.dense_and_head,
-                     "quantize": prof.quantize, "h2d_copy": prof.h2d_copy}  # fmt: skip
+                     "quantize": prof.quantize, "dequantize": prof.dequantize,
+                     "h2d_copy": prof.h2d_copy}  # fmt: skip
             for op in ops:
                 steps[op]()
                 if on_progress is not None:
@@ -423,5 +453,6 @@ def _meta(device: torch.device, grid: Grid, models: list[ModelSpec], dtype: str)
         "flush_bytes": FLUSH_BYTES.get(device.type, 64 << 20),
         "path": "triton kernels" if on_gpu else "pytorch reference (CPU engine path)",
         "threads": torch.get_num_threads(),
+        "upgrades": "asynchronous" if on_gpu else "synchronous",
         "notes": list(NOTES),
     }

@@ -22,7 +22,8 @@ Precision changes (``RuntimeCore.apply`` decides the order: reserve pages, fill,
 
 Forward pass: on CUDA the fused Triton MoE kernel reads the arena through the page table. On a
 CPU each used expert is dequantised from its pages by the kernels' reference path and kept
-dense until the expert's table entry changes (host RAM only; the arena stays the truth).
+dense (16-bit experts in their own format, others in fp32) until the expert's table entry
+changes (host RAM only; the arena stays the truth); ``cpu_kernels.moe_ffn_grouped`` runs them.
 
 Shape legend: E = experts per layer, F = expert FFN size, H = hidden size.
 """
@@ -43,9 +44,6 @@ from pwgpu.kernels.reference import dequantize_ref
 from pwgpu.model import PinnedWeights
 
 ALIGN_BYTES = 16  # every packed tensor and page offset is 16-byte aligned (vector loads)
-# The CPU path's dense expert copies: fp32, the dtype its matmuls run in, so no step converts
-# weights (a bf16 copy cost 96 conversions per step of the default model).
-CPU_DENSE_DTYPE = torch.float32
 
 
 @dataclass
@@ -129,7 +127,9 @@ class WeightStore:
         self._dirty: set[int] = set()
         self._copies: list[tuple[Transition, object]] = []  # upgrades in flight: (transition, event or None)
         self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._dense: dict[int, tuple] = {}  # CPU: expert -> (its pages array, (dense w1, w3, w2))
+        # CPU: MoE layer -> per expert None or (the pages array it was dequantised from,
+        # w1 over w3 [2F, H], w2 [H, F])
+        self._dense: dict[int, list] = {}
         self.h2d_bytes = 0
         self.pinned_outside_bytes = 0
 
@@ -213,24 +213,22 @@ class WeightStore:
             from pwgpu.kernels.moe_gemm import fused_moe
 
             return fused_moe(x, topk_ids, topk_w, experts, activation=self.activation)
-        from pwgpu.kernels.reference import moe_ffn_dense_ref
+        from pwgpu.cpu_kernels import dense_expert, moe_ffn_grouped
 
         # CPU path: dequantise each used expert from its pages once and keep the dense copy
         # until the page table points the expert elsewhere (a flip gives it a new pages array).
         # Dequantising every used expert on every step cost 80% of a step (96 int4 matrices:
         # ~400 ms per step of the default model on two cores).
         pt, e_num = self.core.page_table, self.num_experts
-        used = set(torch.unique(topk_ids).tolist())
-        mats: list[list] = [[None] * e_num for _ in range(3)]
-        for e in used:
-            idx = moe_layer * e_num + e
-            hit = self._dense.get(idx)
-            if hit is None or hit[0] is not pt.pages[idx]:
-                ws = tuple(experts.dequantize_matrix(e, j, CPU_DENSE_DTYPE) for j in range(3))
-                hit = self._dense[idx] = (pt.pages[idx], ws)
-            for j in range(3):
-                mats[j][e] = hit[1][j]
-        return moe_ffn_dense_ref(x, topk_ids, topk_w, *mats, self.activation)
+        counts = torch.bincount(topk_ids.reshape(-1), minlength=e_num).tolist()
+        dense = self._dense.setdefault(moe_layer, [None] * e_num)
+        for e, n in enumerate(counts):
+            pages = pt.pages[moe_layer * e_num + e]
+            if n and (dense[e] is None or dense[e][0] is not pages):
+                dense[e] = (pages, *dense_expert(experts, e))
+        w13 = [None if d is None else d[1] for d in dense]
+        w2 = [None if d is None else d[2] for d in dense]
+        return moe_ffn_grouped(x, topk_ids, topk_w, w13, w2, counts, self.activation)
 
     # ---- writing experts ------------------------------------------------------------------
     def _write_expert(self, idx: int, precision_id: int, pages: np.ndarray) -> None:

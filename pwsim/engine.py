@@ -6,6 +6,10 @@ Processes (``env`` passed explicitly, one RNG per run):
   step's ``execute`` times it from the latency model and samples its routing;
 - ``copy_engine``: host-to-device upgrades, one transfer at a time at the GPU's h2d bandwidth,
   overlapped with compute as on hardware; an upgrade flips when its copy completes.
+- a CPU latency table (``pwsim.table_latency``) adds what the CPU engine does: each routed
+  expert's fp32 copy made on its first use after a precision change (``dequantize``), and
+  upgrades written inside the step that starts them (``upgrades: synchronous``: their quantise
+  time is the step's, their copy lands at once and the expert flips for the next step).
 
 Same-time ordering (tested): arrivals and copy completions at time t happen *before* an engine
 step that starts at t, so a step sees every request that has arrived and every expert whose
@@ -27,9 +31,10 @@ from simpy.core import URGENT
 from simpy.events import Event
 
 from pagedweight.core.pagetable import Transition
+from pagedweight.core.prefix import TraceBlockKeys, own_block_keys
 from pagedweight.core.runtime import CoreConfig, Executed, RuntimeCore, Step
 from pagedweight.core.scheduler import Request
-from pagedweight.policy.controller import DOWNGRADE
+from pagedweight.policy.controller import DOWNGRADE, UPGRADE
 from pagedweight.policy.importance import ImportanceTable
 from pagedweight.workload.traces import RequestTrace
 from pwsim.routing import RoutingSampler
@@ -81,11 +86,19 @@ class SimEngine:
         self._copy_wake: Event | None = None
         self._engine_wake: Event | None = None
         self._arrivals_done = False
+        self._trace_keys = None  # TraceBlockKeys of the trace, built on first use
         self._kv_bytes_per_token = self.model.kv_bytes_per_token()
+        # A CPU latency table (pwsim.table_latency): the engine keeps an fp32 copy of each expert,
+        # made on its first use after every precision change, and writes upgrades inside the step
+        # that starts them (no copy stream).
+        self._dequantize = bool(getattr(latency, "has_dequantize", False))
+        self._sync_upgrades = bool(getattr(latency, "synchronous_upgrades", False))
+        self._copy_current = np.zeros(self.model.num_moe_layers * self.model.num_experts, dtype=bool)
+        self._expert_dequantize_s: dict[int, float] = {}
 
     # ---- TransitionBackend: what a precision change costs in simulated time -------------------
     def downgrade(self, t: Transition) -> None:
-        pass  # its quantise time is charged to the step that made it (``_execute``)
+        self._copy_current[t.expert] = False  # its quantise time is charged to the step that made it
 
     def poll(self) -> None:
         pass  # the copy engine flips each upgrade when its copy lands (``copy_engine``)
@@ -99,18 +112,43 @@ class SimEngine:
         pass  # the copy engine sees the transition is no longer in flight and drops it
 
     # ---- processes --------------------------------------------------------------------------------
+    @property
+    def cores(self) -> list[RuntimeCore]:
+        return [self.core]
+
+    def accept(self, req: Request) -> None:
+        """A request arrives now (from ``arrivals``, or from a cluster's router); its id is its
+        row in ``self.trace``."""
+        if self.core.scheduler.prefix_caching and req.block_hashes is None:
+            req.block_hashes = self._block_keys(req)
+        self.requests.append(req)
+        self.core.add(req)
+        self._wake_engine()
+
+    def close_arrivals(self) -> None:
+        """No request will arrive any more: the engine ends when the last one is done."""
+        self._arrivals_done = True
+        self._wake_engine()
+
+    def _block_keys(self, req: Request):
+        """Prefix caching keys blocks by the trace's block ids; without them requests share
+        nothing, but a preempted request finds its own blocks again (pagedweight.core.prefix)."""
+        block_tokens = self.core.kv.block_tokens
+        tr = self.trace
+        if tr.hash_ids is not None and req.request_id < len(tr):
+            if self._trace_keys is None:
+                self._trace_keys = TraceBlockKeys(tr.hash_ids)
+            return self._trace_keys.keys(req.request_id, req.prompt_tokens, block_tokens)
+        return own_block_keys(req.request_id, req.prompt_tokens, block_tokens)
+
     def arrivals(self, env: simpy.Environment):
-        tr, core = self.trace, self.core
+        tr = self.trace
         for i in range(len(tr)):
             delay = float(tr.arrival_s[i]) - env.now
             if delay > 0:
                 yield UrgentTimeout(env, delay)
-            req = Request(i, float(tr.arrival_s[i]), int(tr.prompt_tokens[i]), int(tr.output_tokens[i]))
-            self.requests.append(req)
-            core.add(req)
-            self._wake_engine()
-        self._arrivals_done = True
-        self._wake_engine()
+            self.accept(Request(i, float(tr.arrival_s[i]), int(tr.prompt_tokens[i]), int(tr.output_tokens[i])))
+        self.close_arrivals()
 
     def copy_engine(self, env: simpy.Environment):
         in_flight = self.core.page_table.in_flight
@@ -122,9 +160,11 @@ class SimEngine:
             t = self._copy_queue.popleft()
             if in_flight.get(t.expert) is not t:
                 continue  # aborted before its copy started
-            yield UrgentTimeout(env, self.latency.h2d_time_s(t.num_bytes))
+            # A synchronous upgrade was written (and timed) in the step that started it.
+            yield UrgentTimeout(env, 0.0 if self._sync_upgrades else self.latency.h2d_time_s(t.num_bytes))
             self.bytes_h2d += t.num_bytes
             if self.core.complete_upgrade(t):
+                self._copy_current[t.expert] = False
                 self._wake_engine()
 
     def _wake_engine(self) -> None:
@@ -156,8 +196,10 @@ class SimEngine:
         # step that needs the freed pages waits for them.
         quantize_s = 0.0
         for c in step.changes:
-            if c.kind is DOWNGRADE:
+            if c.kind is DOWNGRADE or (c.kind is UPGRADE and self._sync_upgrades):
                 quantize_s += sum(latency.quantize_time_s(n, k, c.to_id) for _, n, k in self.model.expert_matrices)
+        if self._dequantize:
+            quantize_s += self._dequantize_s(tokens)
         duration_s = latency.step_time_s(shape, tokens, self.core.precision_grid) + quantize_s
         self._last_step = (shape, tokens)
         batch = step.batch
@@ -185,12 +227,37 @@ class SimEngine:
         shape, tokens = self._last_step
         return model.step_time_s(shape, tokens, precision_ids.reshape(self.core.precision_grid.shape))
 
+    def _dequantize_s(self, tokens: np.ndarray) -> float:
+        """The fp32 expert copies a CPU engine makes this step: every routed expert whose copy
+        predates its last precision change (or that has none yet)."""
+        used = tokens.ravel() > 0
+        stale = used & ~self._copy_current
+        if not stale.any():
+            return 0.0
+        self._copy_current |= used
+        total_s = 0.0
+        for pid in self.core.page_table.precision_ids[stale].tolist():
+            s = self._expert_dequantize_s.get(pid)
+            if s is None:
+                s = self._expert_dequantize_s[pid] = sum(
+                    self.latency.dequantize_time_s(n, k, pid) for _, n, k in self.model.expert_matrices
+                )
+            total_s += s
+        return total_s
+
+    def start(self, arrivals: bool = True):
+        """Start the processes on the environment (``arrivals=False``: a cluster feeds
+        ``accept``); returns the engine process."""
+        env = self.env
+        if arrivals:
+            env.process(self.arrivals(env))
+        env.process(self.copy_engine(env))
+        return env.process(self.engine(env))
+
     def run(self, progress=None) -> None:
         """Run to the last request. ``progress(now_s)`` is called every 1/200 of the trace."""
         env = self.env
-        env.process(self.arrivals(env))
-        env.process(self.copy_engine(env))
-        done = env.process(self.engine(env))
+        done = self.start()
         if progress is None:
             env.run(until=done)
             return

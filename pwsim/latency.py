@@ -82,11 +82,15 @@ LATENCY_BUILDERS: dict[str, Callable[..., LatencyModel]] = {
 
 
 def build_latency_model(
-    cfg: LatencyConfig | None, model: ModelSpec, gpu: GpuSpec, base_dir: str | Path = "."
+    cfg: LatencyConfig | None, model: ModelSpec, gpu: GpuSpec, base_dir: str | Path = ".", like: ModelSpec | None = None
 ) -> LatencyModel:
-    """The latency model of a scenario; ``base_dir`` (the scenario's folder) anchors table paths."""
+    """The latency model of a scenario; ``base_dir`` (the scenario's folder) anchors table paths.
+    ``like``: the model whose rows a latency table is read for, when ``model`` is a share of it
+    (an expert-parallel rank's)."""
     if cfg is None:
         cfg = AnalyticLatencyConfig()
+    if like is not None and cfg.kind == "table" and cfg.model is None:
+        cfg = cfg.model_copy(update={"model": like.name})
     return LATENCY_BUILDERS[cfg.kind](cfg, model, gpu, base_dir)
 
 

@@ -20,16 +20,36 @@ from pagedweight.config.scenario import LoadedScenario
 from pagedweight.policy.policies import PolicyInfeasible
 from pagedweight.results.writer import ResultsWriter, policy_summary, run_meta, trace_meta, write_policy_tables
 from pwsim.executor import Display, Job, auto_display, run_jobs
-from pwsim.latency import LatencyModel
+from pwsim.latency import LatencyModel, build_latency_model
 
 
-def scenario_engine(run: ScenarioRun, policy: str, latency: LatencyModel, routing: RoutingConfig):
-    """The simulated engine of one policy of a scenario."""
+def scenario_engine(
+    run: ScenarioRun,
+    policy: str,
+    latency: LatencyModel,
+    routing: RoutingConfig,
+    loaded: LoadedScenario | None = None,
+    env=None,
+):
+    """The simulated engine of one policy of a scenario: one GPU, or (``loaded`` with
+    ``parallel.ep`` > 1) an expert-parallel replica (``pwsim.parallel``). ``env``: a SimPy
+    environment to share (a cluster's replicas)."""
     from pwsim.engine import SimEngine
+
+    if loaded is not None and loaded.scenario.parallel.ep > 1:
+        from pwsim.parallel import EpEngine
+
+        sc = loaded.scenario
+        return EpEngine(
+            run.core, policy, run.trace, run.table,
+            lambda share: build_latency_model(sc.latency, share, loaded.gpu, loaded.base_dir, like=loaded.model),
+            loaded.gpu, sc.parallel, routing.resolved_kind(True), seed=run.seed, routing_alpha=routing.zipf_alpha,
+            env=env,
+        )  # fmt: skip
 
     return SimEngine(
         run.core, policy, run.trace, run.table, latency, routing.resolved_kind(True), seed=run.seed,
-        routing_alpha=routing.zipf_alpha,
+        routing_alpha=routing.zipf_alpha, env=env,
     )  # fmt: skip
 
 
@@ -54,20 +74,42 @@ def run_scenario(
     # warns once per op); workers build their own and send back their out-of-grid counts.
     latency = _latency(loaded)
     shared = latency if jobs <= 1 else None
+    ep, cluster = loaded.scenario.parallel, loaded.scenario.cluster
+    extra = {"parallel": ep.model_dump()} if ep.ep > 1 else {}
+    if cluster.replicas > 1:
+        extra["cluster"] = cluster.model_dump()
     meta = run_meta(
         runtime="pwsim",
         scenario=run.name,
         model=model.name,
-        gpu=loaded.gpu.name,
+        gpu=loaded.gpu.name if ep.ep == 1 else f"{ep.ep}x {loaded.gpu.name}",
         budget_bytes=run.core.budget_bytes,
         page_bytes=run.core.page_bytes,
         latency_model=latency.describe(),
         importance=table.provenance,
         trace=trace_meta(trace),
         seed=run.seed,
+        **extra,
     )
     writer = ResultsWriter(Path(out_dir), meta)
     names = list(run.policies)
+    if cluster.replicas > 1:
+        from pwsim.cluster import run_cluster
+
+        try:
+            display = progress if isinstance(progress, Display) else auto_display(progress)
+            if on_progress is not None:
+                per_policy = cluster.replicas if cluster.router == "round-robin" else 1  # jobs per policy
+                display = _Overall(display, len(names) * per_policy, on_progress)
+            run_cluster(loaded, run, names, writer, display, jobs)
+            meta = writer.write(run.resolved_yaml)
+        finally:
+            writer.discard_parts()
+        if report:
+            from pagedweight.results.report import write_report
+
+            write_report([writer.out_dir], writer.out_dir / "report.html")
+        return meta
     try:
         job_list = [
             Job(name, simulate_policy, (loaded, run, name, str(writer.parts_root / str(i)), shared))
@@ -121,7 +163,7 @@ def simulate_policy(
     wall0 = time.perf_counter()
     out: dict = {"policy": policy, "out_of_grid": {}}
     try:
-        eng = scenario_engine(run, policy, latency, loaded.scenario.routing)
+        eng = scenario_engine(run, policy, latency, loaded.scenario.routing, loaded)
     except PolicyInfeasible as e:
         out["error"] = str(e)
         return out
@@ -131,8 +173,14 @@ def simulate_policy(
         eng.run(progress=lambda now_s: progress(min(now_s / horizon_s, 1.0) if horizon_s > 0 else 1.0))
     else:
         eng.run()
-    out["summary"] = policy_summary(eng.requests, eng.core, run.slo, time.perf_counter() - wall0, eng.bytes_h2d)
-    write_policy_tables(Path(parts_dir), policy, eng.requests, eng.core)
+    if hasattr(eng, "ranks"):  # an expert-parallel replica
+        from pwsim.parallel import ep_summary, write_ep_tables
+
+        out["summary"] = ep_summary(eng, run.slo, time.perf_counter() - wall0)
+        write_ep_tables(Path(parts_dir), policy, eng)
+    else:
+        out["summary"] = policy_summary(eng.requests, eng.core, run.slo, time.perf_counter() - wall0, eng.bytes_h2d)
+        write_policy_tables(Path(parts_dir), policy, eng.requests, eng.core)
     out["parts_dir"] = parts_dir
     if own_latency:
         out["out_of_grid"] = dict(getattr(latency, "out_of_grid", None) or {})

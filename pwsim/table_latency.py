@@ -20,6 +20,11 @@ How a step maps onto the table's keys (all ops are per layer, times ``num_layers
 - ``dense(m)`` per MoE layer, ``lm_head(m)`` once for the step's sequences; the leading dense
   FFN layers of DeepSeek-style models, and the per-step overhead, come from the fallback.
 
+What a CPU table adds (``pwsim.engine`` charges it): ``dequantize(precision, n, k)`` for each
+matrix of an expert on its first use after a precision change (the CPU engine's fp32 copy of the
+expert is made again), and, with meta ``upgrades: synchronous``, an upgrade's ``quantize`` time
+in the step that starts it instead of a copy overlapped with compute.
+
 A point outside the measured range (or an op or precision the table lacks) is timed by the
 analytic fallback, warned about once per op, and counted in ``out_of_grid``.
 """
@@ -49,9 +54,10 @@ OP_KEYS: dict[str, tuple[str, str | None]] = {
     "dense": ("m", None),
     "lm_head": ("m", None),
     "quantize": ("n", "k"),
+    "dequantize": ("n", "k"),
     "h2d_copy": ("bytes", None),
 }
-PER_PRECISION_OPS = ("moe_ffn", "quantize")
+PER_PRECISION_OPS = ("moe_ffn", "quantize", "dequantize")
 # Marks dense-grid cells outside a precision's measured range. Any query with weight on such a
 # cell comes out above OUT_OF_GRID_S, so one sum tells whether a step left the grid; a
 # multiplication by 0 keeps a query exactly on the boundary in the grid (a NaN would not).
@@ -194,6 +200,10 @@ class TableLatencyModel:
                     self.grids[(op, PRECISION_ID[prec])] = grid
         moe = {key[1]: g for key, g in self.grids.items() if isinstance(key, tuple) and key[0] == "moe_ffn"}
         self.moe_grid = MoeGrid(moe, model.num_experts) if moe else None
+        # CPU tables (kernel_table.py): experts dequantised into an fp32 copy on first use after a
+        # change, and upgrades written inside the step that starts them.
+        self.has_dequantize = any(isinstance(key, tuple) and key[0] == "dequantize" for key in self.grids)
+        self.synchronous_upgrades = self.meta.get("upgrades") == "synchronous"
         self.out_of_grid: Counter[str] = Counter()
         self._warned: set[str] = set()
         self._num_precisions = len(PRECISION_NAMES)
@@ -288,6 +298,14 @@ class TableLatencyModel:
         return self.cfg.scale * self._one(
             "quantize", key, n, k, lambda: self.fallback.quantize_time_s(n, k, precision_id)
         )
+
+    def dequantize_time_s(self, n: int, k: int, precision_id: int) -> float:
+        """One ``[n, k]`` matrix into the CPU engine's fp32 copy; 0 for a table without
+        ``dequantize`` rows (a GPU kernel reads the packed pages itself)."""
+        if not self.has_dequantize:
+            return 0.0
+        key = ("dequantize", int(precision_id))
+        return self.cfg.scale * self._one("dequantize", key, n, k, lambda: 0.0)
 
     def h2d_time_s(self, num_bytes: int) -> float:
         if num_bytes <= 0:

@@ -23,6 +23,7 @@ GRID_KEYS = [
     ("dense", "m", None),
     ("lm_head", "m", None),
     ("quantize", "n", "k"),
+    ("dequantize", "n", "k"),
     ("h2d_copy", "bytes", None),
 ]
 
@@ -43,6 +44,8 @@ def test_table_has_schema_meta_and_every_op(table):
     df, meta = table
     assert list(df.columns) == list(COLUMNS)
     assert meta["grid"] == "small" and meta["models"] == ["tiny-moe"] and meta["cuda"] == "none"
+    # The CPU engine writes an upgrade inside the step that starts it (no copy stream).
+    assert meta["upgrades"] == "synchronous"
     assert set(df["op"]) == {op for op, _, _ in GRID_KEYS}
     assert (df["latency_us_p50"] > 0).all() and (df["samples"] > 0).all()
     assert (df["latency_us_p20"] <= df["latency_us_p50"]).all() and (df["latency_us_p50"] <= df["latency_us_p80"]).all()
@@ -53,7 +56,7 @@ def test_table_has_schema_meta_and_every_op(table):
 def test_each_op_is_a_full_grid(table, op, x, y):
     df, _ = table
     rows = df[df["op"] == op]
-    groups = rows.groupby("precision") if op in ("moe_ffn", "quantize") else [("-", rows)]
+    groups = rows.groupby("precision") if op in ("moe_ffn", "quantize", "dequantize") else [("-", rows)]
     for _, part in groups:
         xs, ys = part[x].nunique(), part[y].nunique() if y else 1
         assert len(part) == xs * ys, f"{op}: {len(part)} rows for a {xs} x {ys} grid"
@@ -72,6 +75,16 @@ def test_moe_rows_cover_precisions_and_expert_counts(table):
     small = moe[(moe["m"] == moe["m"].min()) & (moe["e"] == 1)]["latency_us_p50"].median()
     large = moe[(moe["m"] == moe["m"].max()) & (moe["e"] == spec.num_experts)]["latency_us_p50"].median()
     assert large > small
+
+
+@pytest.mark.e2e
+def test_dequantize_rows_are_the_cpu_engines_expert_matrices(table):
+    df, _ = table
+    spec = load_model("tiny-moe")
+    deq = df[df["op"] == "dequantize"]
+    assert set(deq["precision"]) == set(PRECISIONS)
+    sides = {spec.hidden_size, spec.expert_ffn_size}
+    assert set(deq["n"]) == sides and set(deq["k"]) == sides
 
 
 def test_unknown_op_is_a_usage_error(tmp_path):

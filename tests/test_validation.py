@@ -138,3 +138,50 @@ def test_unknown_calibration_policy_is_refused_before_any_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "static-fp8" in err and "allowed: static-fp16, pagedweight" in err
     assert not out.exists()  # nothing ran
+
+
+def test_threads_reach_the_profiler_and_the_engine(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    scenario = Path(__file__).parent.parent / "scenarios" / "cpu_validate.yaml"
+    envs = []
+
+    def fake_run(cmd, env=None):
+        envs.append(env)
+        return subprocess.CompletedProcess(cmd, 1)  # stop after the first subprocess
+
+    monkeypatch.setattr("pwsim.commands.validate.subprocess.run", fake_run)
+    out = tmp_path / "v"
+    assert main(["validate", str(scenario), "--profile", "--threads", "1", "--out-dir", str(out)]) != 0
+    assert envs and envs[0]["OMP_NUM_THREADS"] == "1" and "profiling failed" in capsys.readouterr().err
+    assert main(["validate", str(scenario), "--threads", "0", "--out-dir", str(out)]) != 0
+    assert "--threads 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_steps_of_one_shape_are_compared_across_policies():
+    import pandas as pd
+
+    from pagedweight.results.validation import _add_cross_policy_ratios
+
+    def steps(policy, rows):
+        return [dict(policy=policy, num_prefill_tokens=p, num_decodes=d, duration_s=t, num_downgrades=x,
+                     num_upgrades=0) for p, d, t, x in rows]  # fmt: skip
+
+    # Real: pagedweight's decodes of 9-16 ran 1.5x, its 257-512 prefills 2x as long as
+    # static-fp16's; its step with a precision change and its decode 2 (no counterpart) are
+    # left out. Simulated: 1.2x and 1x.
+    real = pd.DataFrame(
+        steps("static-fp16", [(0, 10, 0.040, 0), (0, 12, 0.040, 0), (300, 0, 0.100, 0)])
+        + steps("pagedweight", [(0, 16, 0.060, 0), (300, 1, 0.200, 0), (0, 16, 5.0, 1), (0, 2, 0.01, 0)])
+    )
+    sim = pd.DataFrame(
+        steps("static-fp16", [(0, 10, 0.050, 0), (300, 0, 0.100, 0)])
+        + steps("pagedweight", [(0, 16, 0.060, 0), (300, 1, 0.100, 0)])
+    )
+    out = {"policies": {"static-fp16": {}, "pagedweight": {}}}
+    _add_cross_policy_ratios(out, real, sim)
+    d = out["policies"]["pagedweight"]["step_ratio_vs"]
+    assert d["vs"] == "static-fp16" and "step_ratio_vs" not in out["policies"]["static-fp16"]
+    assert list(d["by_shape"]) == ["decode 9-16", "prefill 257-512"]
+    assert d["by_shape"]["decode 9-16"] == pytest.approx({"real": 1.5, "sim": 1.2})
+    assert d["by_shape"]["prefill 257-512"] == pytest.approx({"real": 2.0, "sim": 1.0})

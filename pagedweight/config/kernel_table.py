@@ -1,7 +1,10 @@
 """The latency-table format: what ``pwgpu profile`` writes and ``pwsim``'s latency model reads.
 
 One long CSV per device, ``traces/kernels/<gpu>.csv``, one row per measured point, plus a
-``<gpu>.meta.yaml`` beside it (device, torch/triton/CUDA versions, date, grid, models).
+``<gpu>.meta.yaml`` beside it (device, torch/triton/CUDA versions, date, grid, models; optional
+``upgrades``: ``synchronous`` where the engine writes an upgrade inside the step that starts it,
+as the CPU engine does without a copy stream, so the step pays its ``quantize`` time instead of
+a copy overlapped with compute; ``asynchronous``, the default, on a GPU).
 
 Columns (unused keys are 0 for an op):
 
@@ -28,6 +31,11 @@ Ops, all *per layer* where the model has layers:
   shared experts).
 - ``lm_head``: embedding, final norm, LM head and sampling for ``m`` tokens (once per step).
 - ``quantize``: quantise one ``[n, k]`` bf16 matrix to ``precision`` on the device.
+- ``dequantize`` (CPU tables only): read one ``[n, k]`` matrix of ``precision`` from its pages
+  into the fp32 copy the CPU engine's MoE path multiplies by. The engine keeps that copy per
+  expert and makes it again on the expert's first use after each precision change (and at its
+  first use in a run), so a precision change costs this besides its ``quantize``. A table
+  without these rows (a GPU's, whose MoE kernel reads the packed pages) charges nothing.
 - ``h2d_copy``: copy ``bytes`` from pinned host memory to the device.
 """
 
@@ -41,7 +49,10 @@ import yaml
 from pagedweight.core.spec import PRECISIONS
 from pagedweight.errors import SpecError, read_yaml_mapping
 
-OPS = ("moe_ffn", "attn_prefill", "attn_decode", "dense", "lm_head", "quantize", "h2d_copy")
+OPS = ("moe_ffn", "attn_prefill", "attn_decode", "dense", "lm_head", "quantize", "dequantize", "h2d_copy")
+# The op groups ``pwgpu profile --ops`` measures (``attention`` writes both attention ops, ``dense``
+# also ``lm_head``), in the order it measures them.
+OP_GROUPS = ("moe_ffn", "attention", "dense", "quantize", "dequantize", "h2d_copy")
 KEY_COLUMNS = ("model", "op", "precision", "m", "e", "batch", "kv_len", "n", "k", "bytes")
 VALUE_COLUMNS = ("latency_us_p50", "latency_us_p20", "latency_us_p80", "samples")
 COLUMNS = KEY_COLUMNS + VALUE_COLUMNS

@@ -33,6 +33,7 @@ def core_config(loaded: LoadedScenario) -> CoreConfig:
         budget_bytes=loaded.budget_bytes,
         page_bytes=sc.memory.page_bytes,
         kv_block_tokens=sc.memory.kv_block_tokens,
+        prefix_caching=sc.memory.prefix_caching,
         scheduler=SchedulerConfig(
             **sc.scheduler.model_dump(exclude={"max_model_len"}), max_model_len=loaded.max_model_len
         ),
@@ -58,6 +59,8 @@ class ScenarioRun:
     seed: int  # of the workload's generator, the simulator's routing and the engine's prompts
     slo: Slo
     resolved_yaml: str  # the scenario with every default filled in (scenario.resolved.yaml)
+    ep: int = 1  # GPUs of the replica under expert parallelism (``parallel.ep``)
+    replicas: int = 1  # replicas behind a router (``cluster.replicas``)
 
 
 def scenario_run(loaded: LoadedScenario, policies: list[str] | None = None) -> ScenarioRun:
@@ -73,4 +76,6 @@ def scenario_run(loaded: LoadedScenario, policies: list[str] | None = None) -> S
         seed=sc.seed,
         slo=Slo(**sc.slo.model_dump()),
         resolved_yaml=yaml.safe_dump(sc.model_dump(mode="json"), sort_keys=False),
+        ep=sc.parallel.ep,
+        replicas=sc.cluster.replicas,
     )

@@ -3,7 +3,8 @@
     name: longctx
     model: mixtral-8x7b            # built-in name (``pwsim specs``) or a path to a ModelSpec YAML
     gpu: h200
-    memory: {budget: 120 GiB, page_bytes: 2 MiB, kv_block_tokens: 16, precisions: [bf16, fp8, int8, int4]}
+    memory: {budget: 120 GiB, page_bytes: 2 MiB, kv_block_tokens: 16, prefix_caching: true,
+             precisions: [bf16, fp8, int8, int4]}
     workload: {kind: trace, path: ../traces/longctx.jsonl, format: mooncake}
     scheduler: {max_num_batched_tokens: 8192, max_num_seqs: 256}
     latency: {kind: analytic}
@@ -79,6 +80,9 @@ class MemoryConfig(_Strict):
     budget_fraction: float | None = Field(default=None, gt=0, le=1)
     page_bytes: Bytes = DEFAULT_PAGE_BYTES
     kv_block_tokens: int = Field(default=CoreConfig.kv_block_tokens, ge=1)
+    # Keep full prompt blocks' KV for later requests with the same prefix (pagedweight.core.prefix):
+    # the engine keys blocks by token ids, the simulator by a trace's hash_ids (none: no sharing).
+    prefix_caching: bool = CoreConfig.prefix_caching
     precisions: tuple[str, ...] = ("bf16", "fp8", "int8", "int4")
     # paper-greedy's ladder; default (None): the paper's, full precision, INT8 and INT4 (those of
     # ``precisions``). Name others to compare it on a ladder of your own.
@@ -188,6 +192,34 @@ class SloConfig(_Strict):
     e2el_ms: float | None = Field(default=None, gt=0)
 
 
+class ParallelConfig(_Strict):
+    """Expert parallelism across the GPUs of one replica (``pwsim.parallel``): ``ep`` GPUs, each
+    with its own page pool, budget (``memory.budget`` is per GPU) and controller; attention is
+    data-parallel (each GPU runs its own requests and KV), routed experts are split across the
+    GPUs and tokens cross the interconnect twice per MoE layer (dispatch, combine)."""
+
+    ep: int = Field(default=1, ge=1)
+    tp: Literal[1] = 1  # tensor parallelism is not modelled
+    # Which experts each GPU holds, per MoE layer: ``contiguous`` (GPU r holds experts
+    # r*E/ep .. (r+1)*E/ep - 1) or ``balanced`` (by the importance table's routing frequencies,
+    # hottest first onto the GPU with the least traffic so far, E/ep experts each).
+    placement: Literal["contiguous", "balanced"] = "contiguous"
+    # Which GPU's attention takes an arriving request.
+    request_router: Literal["least-outstanding", "round-robin", "least-kv"] = "least-outstanding"
+    # Bytes per hidden value sent in the all-to-all (2: bf16 activations; 1: fp8 dispatch).
+    a2a_bytes_per_value: int = Field(default=2, ge=1, le=4)
+
+
+class ClusterConfig(_Strict):
+    """``replicas`` identical replicas (each one GPU, or ``parallel.ep`` GPUs) behind a request
+    router (``pwsim.cluster``). ``round-robin`` does not look at the replicas, so they run
+    independently (in parallel worker processes); the others route by the replicas' state at
+    each arrival and run together."""
+
+    replicas: int = Field(default=1, ge=1)
+    router: Literal["round-robin", "least-outstanding", "least-kv"] = "round-robin"
+
+
 class Scenario(_Strict):
     name: str = Field(min_length=1)
     description: str = ""
@@ -202,6 +234,8 @@ class Scenario(_Strict):
     controller: ControllerConfig = ControllerConfig()
     policies: tuple[str, ...] = POLICY_NAMES
     slo: SloConfig = SloConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    cluster: ClusterConfig = ClusterConfig()
     seed: int = Field(default=0, ge=0)
 
     @field_validator("policies")
@@ -236,9 +270,35 @@ class LoadedScenario:
     def max_model_len(self) -> int:
         return self.scenario.scheduler.max_model_len or self.model.max_context_tokens
 
+    @property
+    def gpu_model(self) -> ModelSpec:
+        """What one GPU holds: the model, or under expert parallelism one rank's share of it
+        (``rank_model``)."""
+        ep = self.scenario.parallel.ep
+        return self.model if ep == 1 else rank_model(self.model, ep)
+
     def min_budget_bytes(self) -> int:
-        """Pages for pinned weights, every expert at the lowest precision, and one KV page."""
-        return _min_budget(self.model, self.scenario.memory)
+        """Pages for pinned weights, every expert at the lowest precision, and one KV page (on
+        each GPU under expert parallelism)."""
+        return _min_budget(self.gpu_model, self.scenario.memory)
+
+
+def rank_model(model: ModelSpec, ep: int) -> ModelSpec:
+    """One expert-parallel rank's share of ``model``: ``num_experts / ep`` routed experts per
+    layer, every pinned weight replicated (routers keep all their rows). ``top_k`` stays the
+    model's (what a token picks); the copy skips validation, since ``top_k`` may exceed the
+    rank's experts."""
+    if model.num_experts % ep:
+        raise ConfigError(f"{model.name} has {model.num_experts} experts per layer, not divisible by ep={ep}")
+    per_rank = model.num_experts // ep
+    router_rows = model.num_moe_layers * (model.num_experts - per_rank) * model.hidden_size
+    return model.model_copy(
+        update={
+            "name": f"{model.name}/ep{ep}",
+            "num_experts": per_rank,
+            "extra_pinned_params": model.extra_pinned_params + router_rows,
+        }
+    )
 
 
 def _min_budget(model: ModelSpec, mem: MemoryConfig) -> int:
@@ -309,6 +369,14 @@ def check(scenario: Scenario, source: Path, require_latency_table: bool = True) 
     loaded = LoadedScenario(scenario, source, model, gpu)
     mem = scenario.memory
     gib = 2**30
+    ep = scenario.parallel.ep
+    if model.num_experts % ep:
+        divisors = [d for d in range(1, model.num_experts + 1) if model.num_experts % d == 0]
+        raise fail(
+            "parallel.ep",
+            f"{model.name} has {model.num_experts} experts per layer, not divisible by {ep}; "
+            f"allowed: {', '.join(map(str, divisors))}",
+        )
     if loaded.budget_bytes > gpu.hbm_bytes:
         raise fail(
             "memory.budget", f"{loaded.budget_bytes / gib:.1f} GiB exceeds {gpu.name}'s {gpu.hbm_bytes / gib:.1f} GiB"
@@ -317,8 +385,8 @@ def check(scenario: Scenario, source: Path, require_latency_table: bool = True) 
     if loaded.budget_bytes < need:
         raise fail(
             "memory.budget",
-            f"{loaded.budget_bytes / gib:.2f} GiB cannot hold {model.name} even with every expert at "
-            f"{mem.precisions[-1]} (pinned {model.pinned_bytes() / gib:.2f} GiB + experts + one KV page "
+            f"{loaded.budget_bytes / gib:.2f} GiB cannot hold {loaded.gpu_model.name} even with every expert at "
+            f"{mem.precisions[-1]} (pinned {loaded.gpu_model.pinned_bytes() / gib:.2f} GiB + experts + one KV page "
             f"= {need / gib:.2f} GiB); allowed: >= {need / gib:.2f} GiB, or add a lower precision",
         )
     block_bytes = mem.kv_block_tokens * model.kv_bytes_per_token()

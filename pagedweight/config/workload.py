@@ -189,7 +189,8 @@ class TraceColumns(_Frozen):
 class TraceWorkload(_Frozen):
     """Replay a trace file. Order of operations: load, spread buckets, window (``start_s``,
     ``duration_s`` on the file's own timeline, relative to its first request), ``max_requests``,
-    then ``rate_scale`` (divides every inter-arrival time), then truncation to the model's context."""
+    then ``copies`` (that many copies laid over each other on the same timeline), then
+    ``rate_scale`` (divides every inter-arrival time), then truncation to the model's context."""
 
     kind: Literal["trace"]
     path: str = Field(min_length=1)
@@ -203,6 +204,9 @@ class TraceWorkload(_Frozen):
     start_s: float = Field(default=0.0, ge=0)
     duration_s: float | None = Field(default=None, gt=0)
     max_requests: int | None = Field(default=None, ge=1)
+    # Many times the load over the same span (a cluster's traffic from one service's trace): copy
+    # j is shifted by j/copies of the span, wrapping around, so the copies' bursts do not line up.
+    copies: int = Field(default=1, ge=1)
     # Requests sharing one timestamp are spread over the next spread_bucket_s seconds (Mooncake's
     # timestamps come in ~3 s buckets); null leaves them as simultaneous batches.
     spread_bucket_s: float | None = Field(default=None, gt=0)

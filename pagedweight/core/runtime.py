@@ -109,6 +109,9 @@ class CoreConfig:
     model: ModelSpec | None = None  # None: the runtime's own (the engine: its checkpoint's)
     page_bytes: int | None = None  # None: the smallest power of two >= 32 KiB holding one KV block
     kv_block_tokens: int = 16
+    # Keep the KV of full prompt blocks after their request ends and reuse it for requests with
+    # the same prefix (vLLM's automatic prefix caching; on by default, as in production engines).
+    prefix_caching: bool = True
     scheduler: SchedulerConfig = SchedulerConfig()  # max_model_len None: the model's context
     controller: ControllerSettings = ControllerSettings()
     # static-mixed: its fixed weight budget, as a fraction of every expert at the top precision.
@@ -241,7 +244,9 @@ class RuntimeCore:
         floor_pages = int(pages_by_id[setup.floor_ids].sum())
         max_kv_pages = pool.num_pages - pool.num_owned(OWNER_PINNED) - floor_pages - reserve
         sched_cfg = replace(cfg.scheduler, preemption_mode=setup.preemption_mode)
-        self.scheduler = Scheduler(sched_cfg, self.kv, max_kv_pages * self.kv.blocks_per_page)
+        self.scheduler = Scheduler(
+            sched_cfg, self.kv, max_kv_pages * self.kv.blocks_per_page, prefix_caching=cfg.prefix_caching
+        )
         self.controller: Controller | None = None
         if setup.controller_mode:
             self.controller = Controller(
@@ -264,6 +269,7 @@ class RuntimeCore:
         # Called with every step once it is recorded (tests compare runtimes step by step).
         self.on_step: Callable[[Step], None] | None = None
         self._counters = [0, 0, 0, 0]  # downgrades, upgrades, bytes down, bytes up since the last step
+        self._prefix_seen = (0, 0)  # prefix hit tokens and evicted blocks at the last step
         self._step_changes: list[Change] | None = None  # the changes of the step being planned
 
     # ---- requests -----------------------------------------------------------------------------
@@ -440,7 +446,10 @@ class RuntimeCore:
             bytes_upgraded=c[3],
             bytes_swapped=bytes_swapped,
             quality_proxy=self.quality_proxy,
+            prefix_hit_tokens=sched.prefix_hit_tokens - self._prefix_seen[0],
+            kv_evicted_blocks=self.kv.num_evicted_blocks - self._prefix_seen[1],
         )
         self._counters = [0, 0, 0, 0]
         if self.controller is not None:
             self.controller.observe_step(duration_s)
+        self._prefix_seen = (sched.prefix_hit_tokens, self.kv.num_evicted_blocks)

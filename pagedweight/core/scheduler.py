@@ -14,14 +14,21 @@ Token model (as in vLLM): a request holds ``prompt + num_output_tokens`` tokens,
 reaches the last token, one new token is sampled. After a preemption the KV is dropped and
 prompt + generated tokens are recomputed; generated tokens are kept.
 
+Prefix caching (``prefix_caching=True``, vLLM's automatic prefix caching): a request that
+carries content keys for its full prompt blocks (``Request.block_hashes``, see
+``pagedweight.core.prefix``) starts from the longest run of its leading blocks that is cached,
+holding those blocks instead of computing them (at least its last prompt token is computed, for
+its first token's logits); the blocks it computes are registered as they complete. A request
+without keys neither hits nor registers. The methods under "prefix caching" are all of it.
+
 No torch and no SimPy here: both runtimes drive this class with their own clocks.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import islice
@@ -30,7 +37,7 @@ import numpy as np
 
 from pagedweight.core.pool import KvBlockAllocator
 from pagedweight.core.step import StepShape
-from pagedweight.errors import ConfigError
+from pagedweight.errors import ConfigError, PoolError
 
 
 class RequestState(Enum):
@@ -100,6 +107,9 @@ class Request:
         "stop_early",
         "swapped_tokens",
         "preempted_at_s",
+        "block_hashes",
+        "num_cached_blocks",
+        "cached_tokens",
     )
 
     def __init__(self, request_id: int, arrival_s: float, prompt_tokens: int, max_output_tokens: int):
@@ -120,6 +130,12 @@ class Request:
         self.stop_early = False  # set by a real engine on EOS/stop string; the simulator never does
         self.swapped_tokens = 0  # tokens of KV held in host memory while preempted (swap mode)
         self.preempted_at_s: list[float] = []  # when each preemption happened
+        # Prefix caching: content keys of the prompt's full KV blocks (None: never shared), how
+        # many leading blocks of ``block_ids`` are cached ones, and the prompt tokens served from
+        # the cache when it was first scheduled (vLLM's ``cached_tokens``).
+        self.block_hashes: Sequence[int] | None = None
+        self.num_cached_blocks = 0
+        self.cached_tokens = 0
 
     @property
     def num_tokens(self) -> int:
@@ -186,6 +202,7 @@ class Scheduler:
         kv: KvBlockAllocator,
         max_kv_blocks: int,
         pressure_hook: PressureHook | None = None,
+        prefix_caching: bool = False,
     ):
         """``max_kv_blocks``: the most KV blocks this runtime can ever give one request (the
         pool less pinned weights and experts at the lowest precision the policy allows); a
@@ -197,6 +214,13 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_caching = prefix_caching
+        # Prompt tokens looked up in the prefix cache at admission, and those found (every
+        # admission, a resumed one too, as vLLM counts its prefix cache queries and hits).
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        # Running requests with prompt blocks still to register as they are computed.
+        self._prefix_pending: dict[Request, None] = {}
 
     # ---- arrivals -------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -249,6 +273,8 @@ class Scheduler:
             batch.swapped_out_tokens += req.num_computed_tokens
         self.kv.free(req.block_ids)
         req.block_ids = []
+        req.num_cached_blocks = 0
+        self._prefix_pending.pop(req, None)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.state = WAITING
@@ -310,11 +336,21 @@ class Scheduler:
                 promised += need
             # A swapped-out request resumes where it stopped once its KV is copied back.
             resume_at = req.swapped_tokens
-            num_new = min(req.num_tokens - resume_at, budget)
-            req.num_computed_tokens = resume_at
+            hit = 0
+            if self.prefix_caching and req.block_hashes and not resume_at:
+                hit = self._acquire_prefix(req, budget)
+                if hit < 0:
+                    break  # does not fit even with its cached prefix
+            start = resume_at + hit
+            num_new = min(req.num_tokens - start, budget)
+            req.num_computed_tokens = start
             if not self._reserve(req, num_new):
+                if hit:
+                    self._release_prefix(req)
                 req.num_computed_tokens = 0
                 break
+            if req.block_hashes is not None and self.prefix_caching:
+                self._count_prefix(req, hit, looked_up=not resume_at)
             if resume_at:
                 batch.swapped_in_tokens += resume_at
                 req.swapped_tokens = 0
@@ -323,7 +359,7 @@ class Scheduler:
             if req.first_scheduled_s is None:
                 req.first_scheduled_s = now_s
             self.running.append(req)
-            batch.add(req, num_new, req.num_tokens - resume_at)
+            batch.add(req, num_new, req.num_tokens - start)
             budget -= num_new
         return batch
 
@@ -381,10 +417,13 @@ class Scheduler:
             if outputs >= req.max_output_tokens or req.stop_early:
                 req.state = FINISHED
                 req.finish_s = end_s
+                finished.append(req)
+        if self._prefix_pending:  # before the finished let go: their last blocks are cached too
+            self._cache_computed_blocks()
+        if finished:
+            for req in finished:
                 self.kv.free(req.block_ids)
                 req.block_ids = []
-                finished.append(req)
-        if finished:
             self.running = [r for r in self.running if r.state is RUNNING]
         return finished
 
@@ -396,9 +435,94 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req.block_ids)
         req.block_ids = []
+        req.num_cached_blocks = 0
+        self._prefix_pending.pop(req, None)
         req.state = REJECTED
         req.reject_reason = reason
         req.finish_s = end_s
+
+    # ---- prefix caching -------------------------------------------------------------------------
+    def _acquire_prefix(self, req: Request, budget: int) -> int:
+        """Hold the cached blocks of ``req``'s longest cached prefix; returns its tokens, or -1
+        (nothing taken) when the request cannot get the blocks for the rest of this step's
+        chunk even after the pressure hook: checked before taking anything, so that a request
+        left waiting does not take and give back its prefix every step. At least the last
+        prompt token is left to compute: its logits give the first token."""
+        kv = self.kv
+        bt = kv.block_tokens
+        limit = min(len(req.block_hashes), (req.prompt_tokens - 1) // bt)
+        if limit <= 0:
+            return 0
+        if self.pressure_hook is None:  # cheap bound first: even a whole hit would not fit
+            best = -(-(limit * bt + min(req.num_tokens - limit * bt, budget)) // bt) - limit
+            if best > kv.num_free_blocks:
+                return -1
+        n, idle = kv.lookup(req.block_hashes, limit)
+        num_new = min(req.num_tokens - n * bt, budget)
+        need = -(-(n * bt + num_new) // bt) - n
+        free = kv.num_free_blocks - idle
+        if need > free and self.pressure_hook is not None:
+            self.pressure_hook(need - free)
+            n, idle = kv.lookup(req.block_hashes, limit)  # the hook may have reclaimed cached pages
+            need = -(-(n * bt + min(req.num_tokens - n * bt, budget)) // bt) - n
+            free = kv.num_free_blocks - idle
+        if need > free:
+            return -1
+        blocks = kv.acquire(req.block_hashes, n) if n else []
+        req.block_ids = blocks
+        req.num_cached_blocks = len(blocks)
+        return len(blocks) * bt
+
+    def _release_prefix(self, req: Request) -> None:
+        """Undo ``_acquire_prefix`` for a request that could not be admitted after all."""
+        self.kv.release(req.block_ids)
+        req.block_ids = []
+        req.num_cached_blocks = 0
+
+    def _count_prefix(self, req: Request, hit_tokens: int, looked_up: bool) -> None:
+        """An admitted request: count its lookup (a swapped-out one resuming made none), and
+        register its blocks as they complete."""
+        if looked_up:
+            self.prefix_query_tokens += req.prompt_tokens
+            self.prefix_hit_tokens += hit_tokens
+            if req.first_scheduled_s is None:
+                req.cached_tokens = hit_tokens
+        if req.num_cached_blocks < len(req.block_hashes):
+            self._prefix_pending[req] = None
+
+    def _cache_computed_blocks(self) -> None:
+        """Register the prompt blocks completed so far by the requests that still had some to
+        compute (called after a step, before finished requests let go of their blocks)."""
+        bt, kv, pending = self.kv.block_tokens, self.kv, self._prefix_pending
+        for req in list(pending):
+            keys, done = req.block_hashes, req.num_cached_blocks
+            full = req.num_computed_tokens // bt
+            if full >= len(keys):
+                full = len(keys)
+                del pending[req]
+            if full > done:
+                kv.cache_blocks(req.block_ids[done:full], keys[done:full])
+                req.num_cached_blocks = full
+
+    def check_prefix_cache(self) -> None:
+        """Raise ``PoolError`` if an invariant across requests is broken (tests call it every
+        step): a cached block is held by as many requests as its count says, a private block by
+        one; no request holds an evictable block; and every cached block a request holds sits at
+        the position of its key in that request's keys, so a hit never serves another prompt's KV."""
+        kv = self.kv
+        held = Counter(b for r in self.running for b in r.block_ids)
+        for block, n in held.items():
+            want = kv.holders(block) if kv.key_of(block) is not None else 1
+            if n != want:
+                raise PoolError(f"KV block {block} held by {n} requests; expected {want}")
+        if len(held) != kv.num_used_blocks:
+            raise PoolError(f"{len(held)} blocks held; the allocator counts {kv.num_used_blocks}")
+        for r in self.running:
+            for j, block in enumerate(r.block_ids):
+                key = kv.key_of(block)
+                keys = r.block_hashes
+                if key is not None and (keys is None or j >= len(keys) or keys[j] != key):
+                    raise PoolError(f"request {r.request_id} holds block {block} of another prefix at {j}")
 
     # ---- what the controller plans with -----------------------------------------------------
     def forecast_kv_blocks(self, horizon_steps: int) -> int:

@@ -167,6 +167,9 @@ class ModelSpec(BaseModel):
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     dtype_bytes: int = 2  # full precision of the master copy and the KV cache (bf16/fp16)
+    # Pinned parameters beyond this shape's own count: an expert-parallel rank's share of a
+    # model (fewer experts per layer) still holds every router row.
+    extra_pinned_params: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -243,6 +246,7 @@ class ModelSpec(BaseModel):
             + self.num_layers * per_layer
             + self.num_moe_layers * (router + shared)
             + self.num_dense_layers * dense
+            + self.extra_pinned_params
         )
 
     def pinned_bytes(self) -> int:
@@ -282,6 +286,15 @@ class GpuSpec(BaseModel):
     peak_bf16_flops: float = Field(gt=0)
     peak_fp8_flops: float = Field(ge=0)  # 0: no native FP8 (weights dequantised to bf16)
     peak_int8_ops: float = Field(ge=0)
+    # GPU-to-GPU link for expert parallelism's all-to-all: sustained bytes/s per direction per
+    # GPU and a fixed cost per collective. A spec that gives none talks over its host link.
+    interconnect: Literal["nvlink", "pcie", "shared-memory"] = "pcie"
+    interconnect_bandwidth_bytes_per_s: float | None = Field(default=None, gt=0)
+    interconnect_latency_s: float = Field(default=3.0e-5, ge=0)
+
+    @property
+    def peer_bandwidth_bytes_per_s(self) -> float:
+        return self.interconnect_bandwidth_bytes_per_s or self.h2d_bandwidth_bytes_per_s
 
 
 # --------------------------------------------------------------------------------------------

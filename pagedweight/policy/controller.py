@@ -414,7 +414,8 @@ class Controller:
             gain = self.table.dloss[grow, cur_lv] - self.table.dloss[grow, tgt_lv]
             cost = np.maximum(1, self.table.bytes[grow, tgt_lv])
             grow = grow[np.argsort(-gain / cost, kind="stable")]
-        free = self.pool.num_free - self.kv.reserve_pages + extra_free_pages
+        # Cached prefix pages count as free: an upgrade's allocation evicts them (PagePool.reclaim).
+        free = self.pool.num_available - self.kv.reserve_pages + extra_free_pages
         in_flight_bytes = sum(t.num_bytes for t in pt.in_flight.values())
         changes = []
         for e in grow.tolist():

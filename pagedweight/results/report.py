@@ -19,6 +19,7 @@ page fetches nothing and opens from a file.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import math
 from pathlib import Path
@@ -34,6 +35,7 @@ from pagedweight.results.report_data import (
     signed_error_perc,
     sim_real_pairs,
 )
+from pagedweight.results.report_parallel import parallel_section
 from pagedweight.results.writer import atomic_write_text
 
 BASELINE = "static-fp16"
@@ -206,6 +208,17 @@ def sim_real_table(sim: RunResults, real: RunResults) -> str:
     )
 
 
+def replica_view(run: RunResults, replica: int) -> RunResults:
+    """A cluster run's tables restricted to one replica's rows (requests stay whole)."""
+
+    def one(df):
+        return df[df["replica"] == replica].drop(columns="replica") if "replica" in df.columns else df
+
+    return dataclasses.replace(
+        run, steps=one(run.steps), transitions=one(run.transitions), initial_precisions=one(run.initial_precisions)
+    )
+
+
 def run_section(run: RunResults, prefix: str, out_dir: Path, anchor: str) -> str:
     s = run.summary
     trace = s.get("trace", {})
@@ -226,12 +239,17 @@ def run_section(run: RunResults, prefix: str, out_dir: Path, anchor: str) -> str
     if not run.policies:
         return "".join(parts)
     parts.append("<h3>Summary</h3>" + summary_table(run))
+    parts.append(parallel_section(run, prefix, out_dir, png_tag))
+    if "replica" in run.steps.columns:  # a cluster: the time series of one replica
+        parts.append("<p>Memory, precision, quality and transition figures below show replica 0.</p>")
+        run = replica_view(run, 0)
     figures = (
         ("memory", plots.memory_figure, "Memory over time per policy: where the budget goes, step by step."),
         ("precision_map", plots.precision_map_figure, "Precision of every routed expert over time."),
         ("latency", plots.latency_figure, "Latency CDFs, throughput, goodput and preemptions."),
         ("quality", plots.quality_figure, "Quality proxy over time, and quality against throughput."),
         ("transitions", plots.transitions_figure, "Precision transitions: bytes per second moved."),
+        ("prefix", plots.prefix_figure, "Prefix caching: prefill saved by hits, evictions, cached memory."),
     )
     if run.steps.empty:
         parts.append("<p>No steps.csv: memory, quality and transition figures are not drawn.</p>")

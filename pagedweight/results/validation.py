@@ -126,6 +126,8 @@ def compare(real_dir: str | Path, sim_dir: str | Path, bounds: dict[str, float] 
                 "first_sim_s": float(st["time_s"].min()) if len(st) else None,
             }
         out["policies"][policy] = entry
+    if real_steps is not None and sim_steps is not None:
+        _add_cross_policy_ratios(out, real_steps, sim_steps)
     if real.get("out_of_grid") or sim.get("out_of_grid"):
         out["out_of_grid"] = sim.get("out_of_grid")
     checked = [row["ok"] for e in out["policies"].values() for row in e["metrics"].values() if row["ok"] is not None]
@@ -143,6 +145,38 @@ def _shape_bucket(steps: pd.DataFrame) -> pd.Series:
     names = [f"{'decode' if d else 'prefill'} {a}-{b}" if a < b else f"{'decode' if d else 'prefill'} {b}"
              for d, a, b in zip(decode, lo, hi, strict=True)]  # fmt: skip
     return pd.Series(names, index=steps.index)
+
+
+def _quiet_medians(steps: pd.DataFrame) -> pd.Series:
+    """Median step time per shape class of the steps without precision changes."""
+    quiet = steps[(steps["num_downgrades"] == 0) & (steps["num_upgrades"] == 0)]
+    return quiet.groupby(_shape_bucket(quiet))["duration_s"].median()
+
+
+def _add_cross_policy_ratios(out: dict, real_steps: pd.DataFrame, sim_steps: pd.DataFrame) -> None:
+    """How long each policy's steps took against the first policy's steps of the same shape
+    class (both without precision changes), in the real runs and in the simulated ones. The
+    simulated ratio is what the latency model expects from the two policies' different steps
+    within a class (more requests, longer contexts); where the real ratio differs, either the
+    machine's speed moved between the two real runs (a calibration fitted on one run cannot
+    carry that to the other) or the latency model misses how the step grows within the class."""
+    policies = [p for p in out["policies"] if p in set(real_steps["policy"]) and p in set(sim_steps["policy"])]
+    if len(policies) < 2:
+        return
+    ref = policies[0]
+    ref_real = _quiet_medians(real_steps[real_steps["policy"] == ref])
+    ref_sim = _quiet_medians(sim_steps[sim_steps["policy"] == ref])
+    for policy in policies[1:]:
+        real = _quiet_medians(real_steps[real_steps["policy"] == policy])
+        sim = _quiet_medians(sim_steps[sim_steps["policy"] == policy])
+        shared = sorted(set(ref_real.index) & set(real.index) & set(ref_sim.index) & set(sim.index), key=_bucket_order)
+        if shared:
+            out["policies"][policy]["step_ratio_vs"] = {
+                "vs": ref,
+                "by_shape": {
+                    b: {"real": float(real[b] / ref_real[b]), "sim": float(sim[b] / ref_sim[b])} for b in shared
+                },
+            }
 
 
 def step_time_by_shape(real_steps: pd.DataFrame, sim_steps: pd.DataFrame) -> list[dict]:
@@ -226,6 +260,15 @@ def format_validation(v: dict) -> str:
                     f"      {row['shape']:20s} real {row['real_median_ms']:8.2f} ms ({row['real_steps']:4d})  "
                     f"sim {row['sim_median_ms']:8.2f} ms ({row['sim_steps']:4d})  {row['error_perc']:+7.1f}%"
                 )
+        if e.get("step_ratio_vs"):
+            d = e["step_ratio_vs"]
+            lines.append(
+                f"    step time against {d['vs']}'s steps of the same shape, real / simulated (apart: the machine "
+                "drifted between the real runs, or the model misses how a step grows within its class):"
+            )
+            lines.append(
+                "      " + ", ".join(f"{b} x{x['real']:.2f} / x{x['sim']:.2f}" for b, x in d["by_shape"].items())
+            )
         if "suggested_extra_step_overhead_s" in e:
             st = e["mean_step_s"]
             lines.append(

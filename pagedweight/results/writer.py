@@ -119,6 +119,7 @@ def policy_summary(requests: list[Request], core: RuntimeCore, slo: Slo, wall_s:
         transitions_per_request=int(steps["num_downgrades"].sum() + steps["num_upgrades"].sum())
         / max(1, s["completed"]),
         precision_ladder=_precisions_used(core),
+        **prefix_summary(core, steps),
         h2d_bytes=int(h2d_bytes),
         simulated_s=sim_s,
         wall_s=wall_s,
@@ -135,7 +136,27 @@ def _precisions_used(core: RuntimeCore) -> list[str]:
     return [p.name for p in ladder([PRECISION_NAMES[i] for i in ids])]
 
 
+def prefix_summary(core: RuntimeCore, steps: dict[str, np.ndarray]) -> dict:
+    """Prefix caching's figures: the share of prompt tokens looked up that were found cached
+    (vLLM's prefix cache hit rate), the prefill tokens that saved, the cached blocks evicted, and
+    the peak KV memory held by requests and by the cache."""
+    sched, page_bytes = core.scheduler, core.pool.page_bytes
+    kv, cached = steps["kv_pages"], steps["kv_cached_pages"]
+    return {
+        "prefix_caching": bool(sched.prefix_caching),
+        "prefix_cache_hit_rate": sched.prefix_hit_tokens / sched.prefix_query_tokens
+        if sched.prefix_query_tokens
+        else 0.0,
+        "prefill_tokens_saved": int(sched.prefix_hit_tokens),
+        "num_evicted_blocks": int(core.kv.num_evicted_blocks),
+        "peak_kv_bytes": int(kv.max()) * page_bytes if len(kv) else 0,
+        "peak_kv_cached_bytes": int(cached.max()) * page_bytes if len(cached) else 0,
+    }
+
+
 TABLES = ("requests", "steps", "transitions", "initial_precisions")
+# Tables only some runs have (an expert-parallel replica's, ``pwsim.parallel``): joined when present.
+OPTIONAL_TABLES = ("steps_by_rank", "ep_steps")
 
 
 def write_policy_tables(parts_dir: Path, policy: str, requests: list[Request], core: RuntimeCore) -> None:
@@ -247,6 +268,10 @@ class ResultsWriter:
         if self._parts:
             for name in TABLES:
                 join_csv_parts([p / f"{name}.csv" for p in self._parts], out / f"{name}.csv")
+            for name in OPTIONAL_TABLES:
+                parts = [p / f"{name}.csv" for p in self._parts if (p / f"{name}.csv").is_file()]
+                if parts:
+                    join_csv_parts(parts, out / f"{name}.csv")
         atomic_write_text(out / "summary.json", json.dumps(self.meta, indent=2, default=_json_default) + "\n")
         if scenario_yaml is not None:
             atomic_write_text(out / "scenario.resolved.yaml", scenario_yaml)

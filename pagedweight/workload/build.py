@@ -53,6 +53,8 @@ def build_workload(
         trace = window(trace, cfg.start_s, cfg.duration_s)
         if cfg.max_requests is not None and cfg.max_requests < len(trace):
             trace = take(trace, cfg.max_requests)
+        if cfg.copies > 1:
+            trace = overlay_copies(trace, cfg.copies)
         if cfg.rate_scale != 1.0:
             trace = scale_rate(trace, cfg.rate_scale)
     return truncate_to_context(trace, max_context_tokens)
@@ -144,24 +146,14 @@ def window(trace: RequestTrace, start_s: float = 0.0, duration_s: float | None =
             f"the trace spans [0, {trace.span_s():.1f}] s"
         )
     note = f"window [{start_s:g}, {end_s:g}) s: {int(keep.sum())} of {len(t)} requests"
-    return trace.with_changes(
-        note,
-        arrival_s=t[keep] - start_s,
-        prompt_tokens=trace.prompt_tokens[keep],
-        output_tokens=trace.output_tokens[keep],
-    )
+    return trace.select(keep, note, arrival_s=t[keep] - start_s)
 
 
 def take(trace: RequestTrace, max_requests: int) -> RequestTrace:
     """The first ``max_requests`` requests."""
     n = max(0, int(max_requests))
     note = f"first {n} of {len(trace)} requests"
-    return trace.with_changes(
-        note,
-        arrival_s=trace.arrival_s[:n],
-        prompt_tokens=trace.prompt_tokens[:n],
-        output_tokens=trace.output_tokens[:n],
-    )
+    return trace.select(slice(0, n), note)
 
 
 def scale_rate(trace: RequestTrace, rate_scale: float) -> RequestTrace:
@@ -169,6 +161,29 @@ def scale_rate(trace: RequestTrace, rate_scale: float) -> RequestTrace:
     if rate_scale <= 0:
         raise ConfigError(f"rate_scale(={rate_scale}) must be > 0")
     return trace.with_changes(f"rate x{rate_scale:g}", arrival_s=trace.arrival_s / rate_scale)
+
+
+def overlay_copies(trace: RequestTrace, copies: int) -> RequestTrace:
+    """``copies`` times the requests over the same span: copy j's arrivals move later by
+    ``j * span / copies`` and those past the end wrap to the start (times modulo the span), so
+    every copy keeps the trace's lengths and gaps and the copies' bursts fall apart."""
+    if copies <= 1 or len(trace) == 0:
+        return trace
+    t0 = float(trace.arrival_s[0])
+    rel = trace.arrival_s - t0
+    span = float(rel[-1]) or 1.0
+    # The span is closed at its last arrival; one mean gap more keeps that arrival and the
+    # first from landing on each other when they wrap.
+    period = span + span / max(len(trace) - 1, 1)
+    times = np.concatenate([(rel + j * period / copies) % period for j in range(copies)])
+    order = np.argsort(times, kind="stable")
+    note = f"{copies} copies overlaid, each shifted by 1/{copies} of the {period:.0f} s span"
+    return trace.with_changes(
+        note,
+        arrival_s=t0 + times[order],
+        prompt_tokens=np.tile(trace.prompt_tokens, copies)[order],
+        output_tokens=np.tile(trace.output_tokens, copies)[order],
+    )
 
 
 def truncate_to_context(trace: RequestTrace, max_context_tokens: int) -> RequestTrace:

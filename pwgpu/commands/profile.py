@@ -1,9 +1,10 @@
 """Measure the kernel latency table that pwsim's table latency model reads.
 
 Times the MoE expert FFN per precision over tokens-per-expert x active experts, attention
-prefill and decode, the dense per-layer ops, the LM head, quantisation and host-to-device
-copies, and writes the long CSV of pagedweight/config/kernel_table.py plus its .meta.yaml. On a
-machine without a GPU it times the CPU engine's PyTorch path (use --scenario or --grid small).
+prefill and decode, the dense per-layer ops, the LM head, quantisation, the CPU engine's
+dequantisation and host-to-device copies, and writes the long CSV of
+pagedweight/config/kernel_table.py plus its .meta.yaml. On a machine without a GPU it times the
+CPU engine's PyTorch path (use --scenario or --grid small).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import sys
 import time
 
+from pagedweight.config.kernel_table import OP_GROUPS
 from pagedweight.core.spec import PRECISION_NAMES, get_precision, load_model
 
 
@@ -35,8 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precisions", help="weight precisions to measure (comma list; default: the scenario's, else all)")
     p.add_argument(
         "--ops",
-        default="moe_ffn,attention,dense,quantize,h2d_copy",
-        help="op groups to measure (comma list of moe_ffn, attention, dense, quantize, h2d_copy)",
+        default=",".join(OP_GROUPS),
+        help=f"op groups to measure (comma list of {', '.join(OP_GROUPS)}; dequantize: CPU only)",
     )
 
 
@@ -58,10 +60,9 @@ def run(args: argparse.Namespace) -> int:
     names = args.precisions or ",".join(PRECISION_NAMES)
     precisions = tuple(get_precision(p.strip()).name for p in names.split(",") if p.strip())
     ops = tuple(o.strip() for o in args.ops.split(",") if o.strip())
-    allowed = ("moe_ffn", "attention", "dense", "quantize", "h2d_copy")
-    bad = [o for o in ops if o not in allowed]
+    bad = [o for o in ops if o not in OP_GROUPS]
     if bad:
-        print(f"pwgpu profile: error: unknown ops {bad}; allowed: {', '.join(allowed)}", file=sys.stderr)
+        print(f"pwgpu profile: error: unknown ops {bad}; allowed: {', '.join(OP_GROUPS)}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
 

@@ -73,6 +73,7 @@ def format_table(summary: dict) -> str:
         ("mean_quality_proxy", "quality", "{:.4f}"),
         ("prefill_recompute_ratio", "prefill/prompt", "{:.2f}"),
         ("transitions_per_request", "trans/req", "{:.2f}"),
+        ("prefix_cache_hit_rate", "prefix hit", "{:.1%}"),
         ("completed", "done", "{:.0f}"),
         ("precision_ladder", "precisions", "{}"),
     ]

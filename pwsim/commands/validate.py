@@ -2,6 +2,7 @@
 
     pwsim validate --real DIR --sim DIR [--out DIR | --out FILE.json] [--check]
     pwsim validate SCENARIO [--policy NAME ...] [--out-dir DIR] [--check] [--calibrate [POLICIES]] [--profile]
+                   [--threads N]
 
 The second form runs both: the simulator here, and the real engine through the ``pwgpu run``
 command (a separate process: the simulator never imports the engine; they meet through files).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="POLICIES",
         help="with SCENARIO: fit the step overhead to the real run of these policies (comma list; default all), "
         "then compare the calibrated simulation",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="with SCENARIO: the profiler and the engine compute with N CPU threads (OMP_NUM_THREADS); on "
+        "cores shared with other jobs 1 keeps each op from waiting on a descheduled thread",
     )
     p.add_argument(
         "--profile",
@@ -133,6 +142,11 @@ def _run_both(args: argparse.Namespace) -> tuple[Path, Path]:
     from pwsim.run import run_scenario
 
     loaded = load_scenario(args.scenario, require_latency_table=not args.profile)
+    env = None
+    if getattr(args, "threads", None) is not None:
+        if args.threads < 1:
+            raise PagedWeightError(f"--threads {args.threads}: must be at least 1")
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     base = Path(args.out_dir or Path("runs") / f"{loaded.scenario.name}-validate")
     sim_dir, real_dir = base / "sim", base / "real"
     # The engine runs as its own process (``python -m pwgpu.cli``, so a checkout on PYTHONPATH
@@ -149,14 +163,14 @@ def _run_both(args: argparse.Namespace) -> tuple[Path, Path]:
         cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--scenario", str(args.scenario), "--out", str(table)]
         if loaded.scenario.latency.model:  # the table's rows are for this model (e.g. a full-depth spec)
             cmd += ["--model", loaded.scenario.latency.model]
-        if subprocess.run(cmd).returncode != 0:
+        if subprocess.run(cmd, env=env).returncode != 0:
             raise PagedWeightError(f"profiling failed: {' '.join(cmd)}")
         args.overrides = [f"latency.path={table}"]
         loaded = load_scenario(args.scenario, args.overrides)
     cmd = [sys.executable, "-m", "pwgpu.cli", "run", "--scenario", str(args.scenario), "--out", str(real_dir)]
     if args.policy:
         cmd += ["--policies", ",".join(args.policy)]
-    if subprocess.run(cmd).returncode != 0:
+    if subprocess.run(cmd, env=env).returncode != 0:
         raise PagedWeightError(f"the real run failed: {' '.join(cmd)}")
     run_scenario(loaded, sim_dir, policies=args.policy, progress=False, report=False)
     return real_dir, sim_dir

@@ -120,6 +120,10 @@ def test_simulator_and_engine_decide_alike_step_by_step(engine_run):
     assert transitions(eng.core) == transitions(sim.core)
     assert np.array_equal(eng.core.page_table.precision_ids, sim.core.page_table.precision_ids)
     assert [r.num_preemptions for r in eng.records] == [r.num_preemptions for r in sim.requests]
+    # Prefix caching (on by default): the engine keys blocks by token ids, the simulator, without
+    # a trace's hash_ids, by request; a preempted request finds its own blocks again in both.
+    assert eng.core.scheduler.prefix_hit_tokens == sim.core.scheduler.prefix_hit_tokens > 0
+    assert eng.core.kv.num_evicted_blocks == sim.core.kv.num_evicted_blocks
 
 
 def test_a_simulator_blind_to_routing_decides_otherwise(engine_run, monkeypatch):

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from pagedweight.config.run import scenario_run
 from pagedweight.config.scenario import Scenario, load_scenario
 from pagedweight.core.spec import PRECISION_NAMES, load_model
+from pagedweight.errors import ConfigError
 from pagedweight.results.writer import trace_meta
 from pwgpu.offline import policy_engine, scenario_engine_config
 from pwgpu.offline import run_scenario as engine_run_scenario
@@ -42,6 +43,7 @@ SCENARIO = {
         "budget": "40 MiB",
         "page_bytes": "64 KiB",
         "kv_block_tokens": 8,
+        "prefix_caching": False,
         "precisions": ["bf16", "int8", "int4"],
         "paper_greedy_precisions": ["bf16", "int4"],
     },
@@ -153,6 +155,11 @@ CHECKS = {
     "memory.kv_block_tokens": both(
         lambda r: core(r, "sim").kv.block_tokens, lambda r: core(r, "engine").kv.block_tokens, lambda r: 8
     ),
+    "memory.prefix_caching": both(
+        lambda r: core(r, "sim").scheduler.prefix_caching,
+        lambda r: core(r, "engine").scheduler.prefix_caching,
+        lambda r: False,
+    ),
     "memory.precisions": both(
         lambda r: core(r, "sim").controller.table.ladder,
         lambda r: core(r, "engine").controller.table.ladder,
@@ -215,7 +222,47 @@ CHECKS = {
     ),  # fmt: skip
     **{f"slo.{k}": lambda r, k=k: _check_slo(r, k) for k in SCENARIO["slo"]},
     "seed": both(lambda r: r.meta["pwsim"]["seed"], lambda r: r.meta["pwgpu"]["seed"], lambda r: 4),
+    **{f"parallel.{k}": lambda r, k=k: _check_parallel(r, k) for k in ("ep", "tp", "placement", "request_router")},
+    "parallel.a2a_bytes_per_value": lambda r: _check_parallel(r, "a2a_bytes_per_value"),
+    "cluster.replicas": lambda r: _check_cluster(r, "replicas"),
+    "cluster.router": lambda r: _check_cluster(r, "router"),
 }
+
+CLUSTER = {"replicas": 2, "router": "least-kv"}
+
+
+def _check_cluster(r, key):
+    """Simulator only: replicas behind a router (pwsim.cluster); the engine serves one replica
+    and refuses more in one line."""
+    if "cluster" not in r.cache:
+        loaded = _load(r.tmp_path, {**SCENARIO, "cluster": CLUSTER}, "cluster.yaml")
+        meta = sim_run_scenario(loaded, r.tmp_path / "cluster", report=False)
+        with pytest.raises(ConfigError, match="cluster.replicas=2"):
+            scenario_engine_config(scenario_run(loaded))
+        r.cache["cluster"] = meta
+    meta = r.cache["cluster"]
+    assert meta["cluster"][key] == CLUSTER[key]
+    for summary in meta["policies"].values():
+        assert summary["cluster"][key] == CLUSTER[key] if key == "router" else len(summary["replicas"]) == 2
+
+
+PARALLEL = {"ep": 2, "tp": 1, "placement": "balanced", "request_router": "round-robin", "a2a_bytes_per_value": 1}
+
+
+def _check_parallel(r, key):
+    """Simulator only: an expert-parallel replica (pwsim.parallel) gets every parallel key; the
+    engine runs a scenario on one device and refuses ep > 1 in one line."""
+    if "parallel" not in r.cache:
+        loaded = _load(r.tmp_path, {**SCENARIO, "parallel": PARALLEL}, "parallel.yaml")
+        meta = sim_run_scenario(loaded, r.tmp_path / "parallel", report=False)
+        with pytest.raises(ConfigError, match="parallel.ep=2"):
+            scenario_engine_config(scenario_run(loaded))
+        r.cache["parallel"] = meta
+    meta = r.cache["parallel"]
+    assert meta["parallel"][key] == PARALLEL[key]
+    for summary in meta["policies"].values():
+        assert summary["ep"]["ep"] == 2 and len(summary["ranks"]) == 2
+        assert summary["ep"]["placement"] == "balanced" and summary["ep"]["request_router"] == "round-robin"
 
 
 def _check_budget_fraction(r):
@@ -291,7 +338,7 @@ def test_every_scenario_key_reaches_both_runtimes_alike(tmp_path):
         run=run, sim=sim, engine=engine, meta=meta, spec=loaded.model, tmp_path=tmp_path,
         resolved={side: yaml.safe_load((d / "scenario.resolved.yaml").read_text()) for side, d in dirs.items()},
         initial={side: initial_precisions(d) for side, d in dirs.items()},
-        mixed=sim_run_scenario_plan(run, latency, loaded),
+        mixed=sim_run_scenario_plan(run, latency, loaded), cache={},
     )  # fmt: skip
     assert ran.mixed != mixed_at_default
     for key in leaf_keys(Scenario):

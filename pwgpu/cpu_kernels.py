@@ -1,0 +1,98 @@
+"""The CPU engine's two hot loops, written for few operator calls and few bytes: a decode
+step of a small model is bound by memory traffic (expert weights, the KV context) and by the
+number of PyTorch calls (each a dispatch and, with several threads, a wake-up of the others),
+not by arithmetic.
+
+- ``moe_ffn_grouped``: the routed-expert FFN over dense per-expert weights. Token-expert
+  pairs are sorted by expert once; each used expert is then one gate-and-up matmul (w1 and w3
+  stacked), one activation and one down matmul over a contiguous slice, and the results go
+  back to their tokens in one copy and one sum over the k slots. It computes what
+  ``kernels.reference.moe_ffn_dense_ref`` computes (the same products, rounded at the same
+  points); with k = 2 the sums are the same two terms, so the output is bit-identical.
+- ``paged_decode_sdpa``: one query per request against its paged context: each layer's K and
+  V blocks gathered with one ``index_select`` each (when the arena's blocks are evenly
+  spaced) and one fused ``scaled_dot_product_attention`` call with grouped-query heads, where
+  ``attention.paged_decode_ref`` spells the same softmax out in six calls.
+
+Shape legend: T = tokens, k = top-k, N = T * k token-expert pairs, E = experts, H = hidden
+size, F = expert FFN size, B = requests, Hq / Hkv = query / KV heads, D = head dim,
+C = context tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F_
+
+from pwgpu.kernels.reference import ACTIVATIONS
+
+# The dense expert copies of the CPU path: 16-bit experts in their own format, which fp32 holds
+# exactly (upcast per use, into the cache: cheaper than reading twice the bytes from memory, as
+# an fp32 copy of the default model's experts, larger than the L3 cache, made every step do);
+# every other precision dequantised to fp32, the dtype the matmuls run in.
+DENSE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dense_expert(experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ``e`` of a ``kernels.paging.PagedExperts`` layer, dequantised from its pages as
+    ``moe_ffn_grouped`` takes it: (w1 over w3 [2F, H], w2 [H, F])."""
+    dtype = DENSE_DTYPES.get(experts.precisions[e], torch.float32)
+    w1, w3, w2 = (experts.dequantize_matrix(e, j, dtype) for j in range(3))
+    return torch.cat([w1, w3]), w2
+
+
+def moe_ffn_grouped(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: Sequence[torch.Tensor | None],
+    w2: Sequence[torch.Tensor | None],
+    counts: list[int],
+    activation: str = "silu",
+) -> torch.Tensor:
+    """x [T, H], topk_ids / topk_weights [T, k], per expert e w13[e] [2F, H] (w1 over w3) and
+    w2[e] [H, F] (fp32, or a 16-bit dtype upcast exactly to fp32 per use), ``counts[e]``: pairs
+    routed to expert e -> y [T, H] in x.dtype. Experts with no pairs are never read (they may
+    be None or stale)."""
+    act_fn = ACTIVATIONS[activation]
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    xs = x.float().index_select(0, torch.div(order, k, rounding_mode="floor"))  # [N, H]
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        gate_up = F_.linear(xs[start : start + c], w13[e].float())  # [c, 2F]
+        ffn = gate_up.shape[1] // 2
+        # The activation over a contiguous gate: ATen's vectorised exp / erf and its scalar
+        # tail differ in the last bit, so the layout decides which elements get which.
+        act = act_fn(gate_up[:, :ffn].contiguous()) * gate_up[:, ffn:]
+        if x.dtype != torch.float32:
+            act = act.to(x.dtype).float()  # rounded where the fused kernel rounds it
+        torch.mm(act, w2[e].float().t(), out=ys[start : start + c])
+        start += c
+    ys.mul_(topk_weights.reshape(-1).float().index_select(0, order)[:, None])
+    out = torch.empty_like(ys).index_copy_(0, order, ys)  # back to (token, slot) order
+    return out.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+
+def paged_decode_sdpa(q, kv, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float):
+    """q [B, Hq, D] -> [B, Hq, D], attending to ``context_lens`` tokens of each request's
+    blocks (``attention.paged_decode_ref``'s contract; fp32 softmax whatever the KV dtype)."""
+    b, m = block_tables.shape
+    k, v = kv.gather(layer, block_tables)  # [B, C, Hkv, D]
+    c = m * kv.block_tokens
+    valid = torch.arange(c, device=q.device)[None, :] < context_lens[:, None]  # [B, C]
+    out = F_.scaled_dot_product_attention(
+        q.float()[:, :, None, :],
+        k.float().transpose(1, 2),
+        v.float().transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )  # [B, Hq, 1, D]
+    return out[:, :, 0].to(q.dtype)

@@ -1,0 +1,108 @@
+"""The CPU engine's fast paths against the references they replace: the grouped MoE FFN against
+``moe_ffn_dense_ref`` (bit-identical with top-2 routing, also over the dense copies the
+engine keeps: bf16 experts in bf16, others in fp32), the SDPA paged decode against
+``paged_decode_ref``, and the whole-block KV gather against indexing by (page, slot)."""
+
+import pytest
+import torch
+
+from pwgpu.attention import PagedKvCache, paged_decode_ref
+from pwgpu.cpu_kernels import dense_expert, moe_ffn_grouped, paged_decode_sdpa
+from pwgpu.kernels.paging import PagedExperts
+from pwgpu.kernels.reference import moe_ffn_dense_ref
+
+
+def routed(t, e, k, seed, unused=()):
+    """Top-k ids (distinct per token, never in ``unused``) and softmax-like weights."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([i for i in range(e) if i not in unused])
+    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(t)])
+    w = torch.rand(t, k, generator=g)
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    "t, k, dtype, activation",
+    [(8, 2, torch.float32, "silu"), (1, 2, torch.float32, "gelu"), (33, 4, torch.float32, "silu"),
+     (16, 2, torch.bfloat16, "gelu_tanh")],
+)  # fmt: skip
+def test_grouped_moe_matches_reference(t, k, dtype, activation):
+    torch.manual_seed(0)
+    e, h, f = 6, 32, 48
+    w1, w3, w2 = torch.randn(e, f, h) * 0.2, torch.randn(e, f, h) * 0.2, torch.randn(e, h, f) * 0.2
+    x = torch.randn(t, h).to(dtype)
+    ids, w = routed(t, e, k, seed=t, unused=(3,))  # one expert gets no token
+    w = w.to(dtype)
+    want = moe_ffn_dense_ref(x, ids, w, list(w1), list(w3), list(w2), activation)
+    w13 = list(torch.cat([w1, w3], dim=1))
+    w13[3] = None  # an expert without tokens is never read
+    counts = torch.bincount(ids.reshape(-1), minlength=e).tolist()
+    got = moe_ffn_grouped(x, ids, w, w13, list(w2), counts, activation)
+    assert got.dtype == dtype
+    if k == 2 and dtype == torch.float32:
+        assert torch.equal(got, want)  # the same two products summed: bit-identical
+    else:
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+def test_dense_experts_from_pages_give_the_reference(precision):
+    """The engine's CPU copies: a bf16 expert kept in bf16 (upcast exactly per use), an int4
+    one dequantised to fp32; both give the reference over the same dequantised weights, bit
+    for bit."""
+    torch.manual_seed(3)
+    e, h, f = 4, 64, 128
+    mats = [list(torch.randn(e, *shape).bfloat16()) for shape in ((f, h), (f, h), (h, f))]
+    experts = PagedExperts.from_dense(*mats, [precision] * e, page_bytes=1 << 12, scatter_seed=1)
+    w13, w2 = zip(*(dense_expert(experts, i) for i in range(e)), strict=True)
+    assert w13[0].dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+    x = torch.randn(5, h)
+    ids, w = routed(5, e, 2, seed=4)
+    counts = torch.bincount(ids.reshape(-1), minlength=e).tolist()
+    ref = [[experts.dequantize_matrix(i, j, torch.float32) for i in range(e)] for j in range(3)]
+    assert torch.equal(moe_ffn_grouped(x, ids, w, w13, w2, counts), moe_ffn_dense_ref(x, ids, w, *ref))
+
+
+def make_cache(blocks_per_page, slack_bytes, dtype=torch.float32, num_pages=10):
+    layers, kv_heads, head_dim, block_tokens = 2, 2, 16, 4
+    elem = torch.tensor([], dtype=dtype).element_size()
+    block_bytes = layers * 2 * block_tokens * kv_heads * head_dim * elem
+    page_bytes = blocks_per_page * block_bytes + slack_bytes
+    arena = torch.randn(num_pages * page_bytes // elem, dtype=dtype).view(torch.uint8)
+    return PagedKvCache(arena, page_bytes, block_tokens, blocks_per_page, layers, kv_heads, head_dim, dtype)
+
+
+@pytest.mark.parametrize("blocks_per_page, slack_bytes", [(1, 0), (2, 0), (2, 64)])
+def test_block_gather_and_sdpa_decode_match_reference(blocks_per_page, slack_bytes):
+    """Evenly spaced blocks (no slack) are gathered whole and written through one block view;
+    with slack at the end of each page both index by (page, slot). Both give the reference's
+    K, V and attention."""
+    torch.manual_seed(1)
+    kv = make_cache(blocks_per_page, slack_bytes)
+    assert (kv.blocks is not None) == (slack_bytes == 0)
+    num_blocks = kv.view.shape[0] * blocks_per_page
+    tables = torch.randperm(num_blocks)[:9].view(3, 3)  # scattered, in no order
+    ctx = torch.tensor([1, 7, 12])
+    page, slot = tables // blocks_per_page, tables % blocks_per_page
+    for part in (0, 1):
+        want = kv.view[page, slot, 1, part].reshape(3, 12, 2, 16)
+        assert torch.equal(kv.gather_part(1, tables, part), want)
+    blocks, offsets = tables[:, 1], torch.tensor([0, 3, 1])
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    kv.write(1, blocks, offsets, k, v)  # whole-block view or (page, slot): the same places
+    page, slot = blocks // blocks_per_page, blocks % blocks_per_page
+    assert torch.equal(kv.view[page, slot, 1, 0, offsets], k) and torch.equal(kv.view[page, slot, 1, 1, offsets], v)
+    q = torch.randn(3, 4, 16)
+    want = paged_decode_ref(q, kv, 1, tables, ctx, 0.25)
+    torch.testing.assert_close(paged_decode_sdpa(q, kv, 1, tables, ctx, 0.25), want, rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_decode_in_bf16_keeps_fp32_softmax():
+    torch.manual_seed(2)
+    kv = make_cache(1, 0, torch.bfloat16)
+    tables, ctx = torch.tensor([[4, 1, 7]]), torch.tensor([10])
+    q = torch.randn(1, 4, 16).to(torch.bfloat16)
+    got = paged_decode_sdpa(q, kv, 0, tables, ctx, 0.25)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, paged_decode_ref(q, kv, 0, tables, ctx, 0.25), rtol=1e-2, atol=1e-2)

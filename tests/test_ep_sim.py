@@ -1,0 +1,183 @@
+"""Expert parallelism in the simulator (``pwsim.parallel``): placement, a rank's share of the
+model, the all-to-all and the lockstep step's time, checked against hand computations."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from pagedweight.config.scenario import load_scenario, rank_model
+from pagedweight.core.spec import load_model
+from pagedweight.errors import ScenarioError
+from pagedweight.policy.importance import synthetic_table
+from pwsim.parallel import a2a_time_s, a2a_volumes, place_experts, rank_table
+from pwsim.run import run_scenario
+
+GPU_BW, GPU_LAT = 3.6e11, 1.5e-5  # h200's interconnect (pagedweight/data/gpus/h200.yaml)
+
+
+def test_a2a_of_8_ranks_by_hand():
+    # 200 tokens on 8 ranks, top_k 2, two MoE layers: 400 token copies per layer.
+    n = np.array([10, 20, 30, 40, 0, 0, 50, 50])
+    x = np.array([[40, 40, 40, 40, 40, 40, 80, 80], [50] * 8])  # copies at each rank's experts, (L, ep)
+    send, recv = a2a_volumes(n, x, top_k=2)
+    # Rank r keeps X_r * n_r / n of the copies at its experts: rank 6 keeps 80 * 0.25 = 20 of
+    # layer 0's and sends 2 * 50 - 20 = 80; rank 4 has no tokens and receives all its 40.
+    assert send[0].tolist() == [18, 36, 54, 72, 0, 0, 80, 80]
+    assert recv[0].tolist() == [38, 36, 34, 32, 40, 40, 60, 60]
+    assert send[1].tolist() == [17.5, 35, 52.5, 70, 0, 0, 87.5, 87.5]
+    assert (send.sum(axis=1) == recv.sum(axis=1)).all()  # every copy sent is received
+    # Busiest rank per layer: 80 and 87.5 copies of 1000 bf16 values; dispatch and combine.
+    t = a2a_time_s(n, x, 2, hidden_size=1000, bytes_per_value=2, bandwidth_bytes_per_s=1e9, latency_s=1e-5)
+    assert t == pytest.approx(2 * ((1e-5 + 80 * 2000 / 1e9) + (1e-5 + 87.5 * 2000 / 1e9)))
+    assert a2a_time_s(n[:1], x[:, :1], 2, 1000, 2, 1e9, 1e-5) == 0.0  # one GPU: no exchange
+
+
+def test_placements_split_every_layer_and_balanced_evens_the_traffic():
+    rng = np.random.default_rng(0)
+    freqs = rng.zipf(1.5, size=(3, 32)).astype(float)
+    for kind in ("contiguous", "balanced"):
+        p = place_experts(freqs, 8, kind)
+        assert p.shape == (8, 3, 4)
+        for layer in range(3):
+            assert sorted(p[:, layer].ravel().tolist()) == list(range(32))
+    contiguous = place_experts(freqs, 8, "contiguous")
+    assert contiguous[1, 2].tolist() == [4, 5, 6, 7]
+    balanced = place_experts(freqs, 8, "balanced")
+
+    def worst(p):  # the hottest rank's share of each layer's traffic
+        loads = np.stack([np.take_along_axis(freqs, p[r], axis=1).sum(axis=1) for r in range(8)])
+        return (loads.max(axis=0) / freqs.sum(axis=1)).max()
+
+    assert worst(balanced) < worst(contiguous)
+
+
+def test_a_rank_holds_its_experts_and_every_pinned_weight():
+    model = load_model("deepseek-v3")
+    share = rank_model(model, 8)
+    assert share.num_experts == model.num_experts // 8
+    assert share.pinned_bytes() == model.pinned_bytes()  # routers keep every row
+    assert share.num_experts_total * 8 == model.num_experts_total
+    table = synthetic_table(load_model("tiny-moe"), ["bf16", "int4"], 0)
+    experts = np.array([[1, 5]] * 4)
+    sub = rank_table(table, experts)
+    assert sub.num_experts == 2 and sub.dloss.shape == (8, 2)
+    assert sub.routing_freq[3] == table.routing_freq[1 * 8 + 5]
+
+
+SPEC = {  # one MoE layer whose tokens go to every expert: each rank's routed tokens are known
+    "name": "ep-hand",
+    "source": "test",
+    "num_layers": 1,
+    "hidden_size": 64,
+    "num_heads": 2,
+    "num_kv_heads": 2,
+    "head_dim": 32,
+    "num_experts": 8,
+    "top_k": 8,
+    "expert_ffn_size": 128,
+    "vocab_size": 256,
+    "max_context_tokens": 4096,
+}
+
+
+def _scenario(tmp_path, **parallel):
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(SPEC))
+    prompts = [100 * (r + 1) for r in range(8)]
+    (tmp_path / "t.jsonl").write_text(
+        "".join(json.dumps({"timestamp": 0, "input_length": p, "output_length": 3}) + "\n" for p in prompts)
+    )
+    raw = {
+        "name": "ep-hand",
+        "model": "spec.yaml",
+        "gpu": "h200",
+        "memory": {"budget": "1 GiB", "page_bytes": "64 KiB", "precisions": ["bf16", "int4"]},
+        "workload": {"kind": "trace", "path": "t.jsonl", "format": "mooncake"},
+        "latency": {"kind": "constant", "step_time_s": 0.01, "per_token_s": 1e-5},
+        "policies": ["static-fp16", "pagedweight"],
+        "parallel": {"ep": 8, **parallel},
+    }
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(raw))
+    return load_scenario(tmp_path / "s.yaml")
+
+
+def test_ep_step_accounting_on_8_ranks_by_hand(tmp_path):
+    summary = run_scenario(_scenario(tmp_path), tmp_path / "out", report=False)
+    ep = pd.read_csv(tmp_path / "out" / "ep_steps.csv")
+    ep = ep[ep.policy == "static-fp16"].reset_index(drop=True)
+    # Step 0: the 8 requests (least outstanding: request r on rank r) prefill together. Rank r
+    # computes 10 ms + 10 us x 100 (r + 1) tokens; every token visits all 8 experts, one per
+    # rank, so rank r's experts get all 3,600 tokens, it keeps 100 (r + 1) of them, receives
+    # 3,600 - 100 (r + 1) and sends 7 x 100 (r + 1). The busiest is rank 7 sending 5,600 copies
+    # of 64 bf16 values over 360 GB/s, plus 15 us, for dispatch and again for combine.
+    first = ep.iloc[0]
+    assert [first[f"tokens_r{r}"] for r in range(8)] == [100 * (r + 1) for r in range(8)]
+    assert [first[f"expert_tokens_r{r}"] for r in range(8)] == [3600] * 8
+    assert first["compute_s_r7"] == pytest.approx(0.018)
+    assert first["a2a_s"] == pytest.approx(2 * (GPU_LAT + 5600 * 128 / GPU_BW))
+    assert first["duration_s"] == pytest.approx(0.018 + 2 * (GPU_LAT + 5600 * 128 / GPU_BW))
+    assert first["slowest_rank"] == 7
+    assert first["imbalance"] == pytest.approx(0.018 / np.mean([0.01 + 1e-5 * 100 * (r + 1) for r in range(8)]))
+    # Every step, by the same rule from its recorded tokens.
+    for _, row in ep.iterrows():
+        n = np.array([row[f"tokens_r{r}"] for r in range(8)])
+        x = np.array([[row[f"expert_tokens_r{r}"] for r in range(8)]])
+        assert (x.sum() == 8 * n.sum()) and (x == n.sum()).all()
+        compute = np.where(n > 0, 0.01 + 1e-5 * n, 0.0)  # the constant model: idle ranks take 0
+        want = compute.max() + a2a_time_s(n, x, 8, 64, 2, GPU_BW, GPU_LAT)
+        assert row["duration_s"] == pytest.approx(want)
+    # Every rank has a row for every step, with the replica's times.
+    by_rank = pd.read_csv(tmp_path / "out" / "steps_by_rank.csv")
+    mine = by_rank[by_rank.policy == "static-fp16"]
+    for _, rows in mine.groupby("rank"):
+        assert np.allclose(rows["duration_s"].to_numpy(), ep["duration_s"].to_numpy())
+    s = summary["policies"]["static-fp16"]
+    assert s["completed"] == 8 and [r["completed"] for r in s["ranks"]] == [1] * 8
+    assert s["num_steps"] == len(ep)
+    assert s["simulated_s"] == pytest.approx(ep["duration_s"].sum())
+    assert s["ep"]["ep"] == 8 and 0 < s["ep"]["a2a_share"] < 1
+    # The replica's memory is the sum of its GPUs'.
+    steps = pd.read_csv(tmp_path / "out" / "steps.csv")
+    steps = steps[steps.policy == "static-fp16"]
+    assert (steps["pinned_pages"].to_numpy() == mine.groupby("step")["pinned_pages"].sum().to_numpy()).all()
+    assert summary["gpu"] == "8x h200" and summary["parallel"]["ep"] == 8
+    # Global expert ids in the initial precisions, each once.
+    initial = pd.read_csv(tmp_path / "out" / "initial_precisions.csv")
+    assert sorted(initial[initial.policy == "pagedweight"]["expert"]) == list(range(8))
+
+
+def test_ep_run_is_reproducible_and_routes_requests_by_the_chosen_rule(tmp_path):
+    a = run_scenario(_scenario(tmp_path, request_router="round-robin"), tmp_path / "a", report=False)
+    run_scenario(_scenario(tmp_path, request_router="round-robin"), tmp_path / "b", report=False)
+    for name in ("steps.csv", "ep_steps.csv", "requests.csv", "transitions.csv"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert [r["num_requests"] for r in a["policies"]["pagedweight"]["ranks"]] == [1] * 8
+
+
+def test_bad_parallel_settings_are_one_line_errors(tmp_path):
+    _scenario(tmp_path)
+    raw = yaml.safe_load((tmp_path / "s.yaml").read_text())
+    for parallel, words in (
+        ({"ep": 3}, ["parallel.ep", "not divisible by 3", "allowed: 1, 2, 4, 8"]),
+        ({"ep": 2, "tp": 2}, ["parallel.tp"]),
+        ({"ep": 2, "placement": "random"}, ["parallel.placement", "contiguous"]),
+    ):
+        (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**raw, "parallel": parallel}))
+        with pytest.raises(ScenarioError) as e:
+            load_scenario(tmp_path / "bad.yaml")
+        msg = str(e.value)
+        assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_report_shows_each_gpu_and_the_imbalance(tmp_path):
+    from pagedweight.results.report import write_report
+
+    run_scenario(_scenario(tmp_path), tmp_path / "out", report=False)
+    page = write_report([tmp_path / "out"], tmp_path / "rep" / "r.html").read_text()
+    assert "GPUs of the expert-parallel replica" in page and "slowest in" in page
+    assert (tmp_path / "rep" / "out_imbalance.png").is_file()
+    assert (tmp_path / "rep" / "out_gpu_memory1.png").is_file()
