@@ -24,6 +24,7 @@ from typing import Protocol
 
 import torch
 
+from pagedweight.core.prefix import token_block_keys
 from pagedweight.core.runtime import CoreConfig, Executed, RuntimeCore, Step
 from pagedweight.core.scheduler import FINISHED, REJECTED, Request
 from pagedweight.errors import ConfigError, PagedWeightError
@@ -233,9 +234,12 @@ class Engine:
                 f"token id {bad[0]} outside the vocabulary of {self.arch.vocab_size}",
             )
             req.finish_s = now_s
-        elif self.core.add(req):
-            self._by_req[req.request_id] = er
-            return er
+        else:
+            if self.core.scheduler.prefix_caching:
+                req.block_hashes = token_block_keys(er.prompt_ids, self.core.kv.block_tokens)
+            if self.core.add(req):
+                self._by_req[req.request_id] = er
+                return er
         er.finish_reason = "rejected"
         self._emit(er, [], True)
         return er

@@ -88,12 +88,16 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 def exp_quality_vs_memory(model, table, ref, fractions, methods, log) -> list[dict]:
     from pagedweight.policy.allocate import allocate
+    from pagedweight.policy.importance import on_ladder
+    from pagedweight.policy.policies import policy_ladder
 
     full = int(table.bytes[:, 0].sum())
+    # paper-greedy on the paper's ladder (full precision, INT8, INT4), as the policy runs it.
+    paper_table = on_ladder(table, policy_ladder("paper-greedy", table.ladder))
     rows = []
     for frac in fractions:
         for method in methods:
-            plan = allocate(table, int(frac * full), method)
+            plan = allocate(paper_table if method == "paper-greedy" else table, int(frac * full), method)
             t0 = time.monotonic()
             for r in evaluate_cached(model, ref, plan_names(table, plan)):
                 rows.append(

@@ -158,8 +158,9 @@ class ServerMetrics:
         usage, page = pool.usage(), pool.page_bytes
         series("pwgpu:weight_bytes", "Routed-expert bytes by precision.", "gauge",
                [({"precision": p}, usage.get(f"weight:{p}", 0) * page) for p in PRECISION_NAMES])  # fmt: skip
+        owners = ("free", "kv", "kv_cached", "pinned", "transition")  # kv_cached: evictable cached prefixes
         series("pwgpu:pool_pages", "Pages of the unified pool by owner.", "gauge",
-               [({"owner": o}, usage.get(o, 0)) for o in ("free", "kv", "pinned", "transition")])  # fmt: skip
+               [({"owner": o}, usage.get(o, 0)) for o in owners])  # fmt: skip
         series("pwgpu:pool_page_bytes", "Bytes per pool page.", "gauge", [({}, pool.page_bytes)])
         series("pwgpu:precision_transitions_total", "Expert precision changes.", "counter",
                [({"kind": k.value}, n) for k, n in core.num_transitions.items()])  # fmt: skip

@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "report": "pwsim.commands.report",
     "compare": "pwsim.commands.compare",
     "sweep": "pwsim.commands.sweep",
+    "bench": "pwsim.commands.bench",
     "validate": "pwsim.commands.validate",
 }
 

@@ -22,6 +22,7 @@ object ``pwgpu`` drives; only the arithmetic is replaced by the latency model.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 
 import numpy as np
@@ -30,6 +31,7 @@ from simpy.core import URGENT
 from simpy.events import Event
 
 from pagedweight.core.pagetable import Transition
+from pagedweight.core.prefix import TraceBlockKeys, own_block_keys
 from pagedweight.core.runtime import CoreConfig, Executed, RuntimeCore, Step
 from pagedweight.core.scheduler import Request
 from pagedweight.policy.controller import DOWNGRADE, UPGRADE
@@ -75,12 +77,16 @@ class SimEngine:
             freqs = table.grid(table.routing_freq) if routing_kind == "importance" else None
             routing = RoutingSampler(self.model, freqs, routing_kind, routing_alpha, rng)
         self.routing = routing
+        self._last_step: tuple | None = None  # (shape, tokens per expert) of the last step
+        self._predictors: dict[bytes, object] = {}  # latency-model copies by precision map
+        self.core.set_step_time_model(self._predict_step_s)
         self.requests: list[Request] = []
         self.bytes_h2d = 0
         self._copy_queue: deque[Transition] = deque()
         self._copy_wake: Event | None = None
         self._engine_wake: Event | None = None
         self._arrivals_done = False
+        self._trace_keys = None  # TraceBlockKeys of the trace, built on first use
         self._kv_bytes_per_token = self.model.kv_bytes_per_token()
         # A CPU latency table (pwsim.table_latency): the engine keeps an fp32 copy of each expert,
         # made on its first use after every precision change, and writes upgrades inside the step
@@ -111,7 +117,10 @@ class SimEngine:
         return [self.core]
 
     def accept(self, req: Request) -> None:
-        """A request arrives now (from ``arrivals``, or from a cluster's router)."""
+        """A request arrives now (from ``arrivals``, or from a cluster's router); its id is its
+        row in ``self.trace``."""
+        if self.core.scheduler.prefix_caching and req.block_hashes is None:
+            req.block_hashes = self._block_keys(req)
         self.requests.append(req)
         self.core.add(req)
         self._wake_engine()
@@ -120,6 +129,17 @@ class SimEngine:
         """No request will arrive any more: the engine ends when the last one is done."""
         self._arrivals_done = True
         self._wake_engine()
+
+    def _block_keys(self, req: Request):
+        """Prefix caching keys blocks by the trace's block ids; without them requests share
+        nothing, but a preempted request finds its own blocks again (pagedweight.core.prefix)."""
+        block_tokens = self.core.kv.block_tokens
+        tr = self.trace
+        if tr.hash_ids is not None and req.request_id < len(tr):
+            if self._trace_keys is None:
+                self._trace_keys = TraceBlockKeys(tr.hash_ids)
+            return self._trace_keys.keys(req.request_id, req.prompt_tokens, block_tokens)
+        return own_block_keys(req.request_id, req.prompt_tokens, block_tokens)
 
     def arrivals(self, env: simpy.Environment):
         tr = self.trace
@@ -181,12 +201,31 @@ class SimEngine:
         if self._dequantize:
             quantize_s += self._dequantize_s(tokens)
         duration_s = latency.step_time_s(shape, tokens, self.core.precision_grid) + quantize_s
+        self._last_step = (shape, tokens)
         batch = step.batch
         swapped_bytes = (batch.swapped_out_tokens + batch.swapped_in_tokens) * self._kv_bytes_per_token
         if swapped_bytes:  # kv-swap: KV copies over PCIe, before the step that needs the blocks
             duration_s += latency.h2d_time_s(swapped_bytes)
             self.bytes_h2d += batch.swapped_in_tokens * self._kv_bytes_per_token
         return Executed(duration_s, swapped_bytes, wait=self.env.timeout(duration_s))
+
+    def _predict_step_s(self, precision_ids: np.ndarray) -> float:
+        """The last step's time had the experts been at ``precision_ids``: the controller's view
+        of what precision costs in speed. Copies of the latency model, one per map asked about
+        (a few at most), keep the run's own cached per-precision times intact."""
+        if self._last_step is None:
+            return 0.0
+        key = precision_ids.tobytes()
+        model = self._predictors.get(key)
+        if model is None:
+            if len(self._predictors) >= 4:
+                self._predictors.pop(next(iter(self._predictors)))
+            model = self._predictors[key] = copy.copy(self.latency)
+            if hasattr(model, "out_of_grid"):  # a table model: predictions are not steps that ran
+                model.out_of_grid = type(model.out_of_grid)()
+                model.fallback = copy.copy(model.fallback)
+        shape, tokens = self._last_step
+        return model.step_time_s(shape, tokens, precision_ids.reshape(self.core.precision_grid.shape))
 
     def _dequantize_s(self, tokens: np.ndarray) -> float:
         """The fp32 expert copies a CPU engine makes this step: every routed expert whose copy

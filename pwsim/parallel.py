@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -347,10 +348,24 @@ class EpEngine:
 class _ReplicaView:
     """What ``policy_summary`` reads of a core, for the replica's summed step table."""
 
-    def __init__(self, steps: dict[str, np.ndarray], page_bytes: int):
+    def __init__(self, steps: dict[str, np.ndarray], page_bytes: int, cores=()):
         self._steps = steps
         self.steps = self
-        self.pool = type("Pool", (), {"page_bytes": page_bytes})()
+        self.pool = SimpleNamespace(page_bytes=page_bytes)
+        # Prefix caching's counters summed over the GPUs (each has its own cache).
+        scheds = [c.scheduler for c in cores]
+        self.scheduler = SimpleNamespace(
+            prefix_caching=any(s.prefix_caching for s in scheds),
+            prefix_hit_tokens=sum(s.prefix_hit_tokens for s in scheds),
+            prefix_query_tokens=sum(s.prefix_query_tokens for s in scheds),
+        )
+        self.kv = SimpleNamespace(num_evicted_blocks=sum(c.kv.num_evicted_blocks for c in cores))
+        # The precisions the policy used: every GPU runs the same policy on the same ladder.
+        first = cores[0] if cores else None
+        self.controller = getattr(first, "controller", None)
+        self.ladder = getattr(first, "ladder", ())
+        initial = np.concatenate([np.asarray(c.setup.initial_ids) for c in cores]) if cores else np.zeros(0, int)
+        self.setup = SimpleNamespace(initial_ids=initial)
 
     def columns(self) -> dict[str, np.ndarray]:
         return self._steps
@@ -363,7 +378,13 @@ def ep_summary(eng: EpEngine, slo: Slo, wall_s: float) -> dict:
     """The replica's summary (the usual figures over all its requests and summed memory) with
     ``ep`` (placement, imbalance, all-to-all share) and ``ranks`` (each GPU's own summary)."""
     page_bytes = eng.ranks[0].core.pool.page_bytes
-    s = policy_summary(eng.requests, _ReplicaView(eng.replica_steps(), page_bytes), slo, wall_s, eng.bytes_h2d)
+    s = policy_summary(
+        eng.requests,
+        _ReplicaView(eng.replica_steps(), page_bytes, [r.core for r in eng.ranks]),
+        slo,
+        wall_s,
+        eng.bytes_h2d,
+    )
     ep_cols = eng.ep_step_columns()
     dur = ep_cols["duration_s"]
     total = float(dur.sum()) or 1.0

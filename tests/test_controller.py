@@ -3,6 +3,8 @@
 A fake backend completes upgrades a fixed number of steps after they start (a copy engine), so
 pages really are in flight while KV demand moves."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from pagedweight.core.pool import OWNER_KV, OWNER_PINNED, OWNER_TRANSITION
 from pagedweight.core.runtime import CoreConfig, RuntimeCore
 from pagedweight.core.scheduler import Request, SchedulerConfig
 from pagedweight.core.spec import FP8_BLOCK_LADDER, PRECISION_ID, load_model
+from pagedweight.errors import ConfigError
 from pagedweight.policy.controller import DOWNGRADE, UPGRADE, ControllerSettings
 from pagedweight.policy.importance import synthetic_table
 
@@ -53,14 +56,14 @@ class DelayedCopies:
             core.complete_upgrade(t)
 
 
-def make_core(policy="pagedweight", budget_mib=40, ladder=("bf16", "int8", "int4"), **settings):
+def make_core(policy="pagedweight", budget_mib=40, ladder=("bf16", "int8", "int4"), admission="forecast", **settings):
     table = synthetic_table(MODEL, ladder, seed=1)
     cfg = CoreConfig(
         model=MODEL,
         budget_bytes=budget_mib * 2**20,
         page_bytes=PAGE,
         kv_block_tokens=8,
-        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048),
+        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048, admission=admission),
         controller=ControllerSettings(**settings),
     )
     clock, backend = Clock(), DelayedCopies()
@@ -126,11 +129,14 @@ def test_an_fp8_block_ladder_goes_to_int4_and_back():
 
 
 def test_downgrades_come_before_any_preemption():
-    core, clock, backend = make_core(budget_mib=18)
+    # vLLM's admission, which preempts here even at the floor; forecast admission does not.
+    core, clock, backend = make_core(budget_mib=18, admission="greedy")
     floor = core.setup.floor_ids
     log = drive(core, clock, backend, [40] + [0] * 600)
     preempting = [ids for n, ids, in_flight in log if n]
     assert preempting, "this budget is meant to force preemptions even at the floor"
+    forecast = make_core(budget_mib=18)
+    assert not any(n for n, _, _ in drive(*forecast, [40] + [0] * 600))
     for ids in preempting:
         # A step may only preempt once every expert sits at the policy's floor.
         assert (core.page_table.pages_by_id[ids] <= core.page_table.pages_by_id[floor]).all()
@@ -198,3 +204,74 @@ def test_routing_drift_moves_precision_to_the_experts_now_in_use():
     assert core.controller.table is not table  # losses were re-scaled from the tracker
     core.kv.free(held)
     core.pool.check()
+
+
+def test_paper_greedy_walks_the_papers_ladder_unless_configured():
+    """paper-greedy, as published: full precision, INT8 and INT4 only, even when the scenario's
+    ladder also has FP8 (pagedweight walks all of it); a configured ladder replaces it."""
+    four = ("bf16", "fp8", "int8", "int4")
+    core, clock, backend = make_core("paper-greedy", ladder=four)
+    assert core.controller.table.ladder == core.ladder == ("bf16", "int8", "int4")
+    drive(core, clock, backend, sawtooth(num_cycles=2))
+    used = {t.to_precision for t in core.transitions}
+    assert "int4" in used and "fp8" not in used
+    assert make_core("pagedweight", ladder=four)[0].controller.table.ladder == four
+
+    table = synthetic_table(MODEL, four, seed=1)
+
+    def with_ladder(names):
+        cfg = replace(core.config, paper_greedy_precisions=names)
+        return RuntimeCore(cfg, "paper-greedy", table, DelayedCopies(), Clock())
+
+    assert with_ladder(("bf16", "fp8", "int4")).controller.table.ladder == ("bf16", "fp8", "int4")
+    with pytest.raises(ConfigError, match=r"\['int2'\] not in the precision ladder; allowed: bf16, fp8, int8, int4"):
+        with_ladder(("bf16", "int2"))
+
+
+def weight_bound_steps(core, fixed_s, all_top_s):
+    """A step-time model where a step costs ``fixed_s`` plus time in proportion to the routed
+    experts' pages: ``all_top_s`` more with every expert at the top of the ladder."""
+    pt = core.page_table
+    per_page_s = (all_top_s - fixed_s) / int(pt.pages_by_id[np.full(pt.num_experts, PRECISION_ID["bf16"])].sum())
+    return lambda ids: fixed_s + int(pt.pages_by_id[ids].sum()) * per_page_s
+
+
+def run_steps(core, clock, backend, model, num_steps, step_s=0.1):
+    for _ in range(num_steps):
+        clock.now_s += step_s
+        backend.step += 1
+        backend.land(core)
+        core.controller.observe_step(model(core.page_table.precision_ids))
+        core.plan_step()
+
+
+def test_speed_downgrades_to_meet_the_tpot_slo_and_upgrades_stop_short_of_it():
+    """No KV pressure at all: only speed moves precision. Every expert at bf16 makes an 80 ms
+    step where the SLO is 50 ms; the controller downgrades until the step is predicted within
+    it (and not much further), and the upgrades that memory would allow stop at 90% of it."""
+    core, clock, backend = make_core(tpot_slo_s=0.05, min_dwell_s=0.0)
+    model = weight_bound_steps(core, 0.01, 0.08)
+    core.set_step_time_model(model)
+    assert model(core.page_table.precision_ids) == pytest.approx(0.08)
+    run_steps(core, clock, backend, model, 100)
+    t_s = model(core.page_table.precision_ids)
+    assert 0.04 <= t_s <= 0.05, t_s
+    assert {t.kind for t in core.transitions} >= {DOWNGRADE}
+    assert core.quality_proxy > 0 and not (core.page_table.precision_ids == PRECISION_ID["int4"]).all()
+    run_steps(core, clock, backend, model, 100)  # memory is free the whole time
+    assert model(core.page_table.precision_ids) <= 0.05
+    # ... and no flapping once settled: the last 50 steps changed nothing.
+    settled = len(core.transitions)
+    run_steps(core, clock, backend, model, 50)
+    assert len(core.transitions) == settled
+
+
+def test_speed_leaves_precision_alone_when_no_precision_meets_the_slo():
+    """A step of 300 ms of which weights are 70 ms cannot meet 50 ms at any precision: memory
+    alone decides (here, nothing moves); paper-greedy never looks at speed."""
+    for policy, fixed_s in (("pagedweight", 0.23), ("paper-greedy", 0.01)):
+        core, clock, backend = make_core(policy, tpot_slo_s=0.05, min_dwell_s=0.0)
+        model = weight_bound_steps(core, fixed_s, fixed_s + 0.07)
+        core.set_step_time_model(model)
+        run_steps(core, clock, backend, model, 50)
+        assert not core.transitions, policy

@@ -73,4 +73,18 @@ def test_every_controller_setting_reaches_the_controller():
     settings = asdict(core_config(load_scenario(ROOT / "scenarios" / "longctx.yaml", sets)).controller)
     assert settings == {"horizon_steps": 7, "low_watermark": 0.03, "high_watermark": 0.2,
                         "copy_budget_bytes_per_s": 123, "max_in_flight_bytes": 4096, "min_dwell_s": 0.5,
-                        "plan_interval_s": 0.25, "rescale_interval_s": 3.0}  # fmt: skip
+                        "plan_interval_s": 0.25, "rescale_interval_s": 3.0,
+                        "tpot_slo_s": 0.1, "latency_margin": 0.1}  # fmt: skip
+
+
+def test_paper_greedy_precisions_reach_the_core_and_are_checked():
+    from pagedweight.config.run import core_config
+
+    path = ROOT / "scenarios" / "longctx.yaml"
+    assert core_config(load_scenario(path)).paper_greedy_precisions is None  # the paper's ladder
+    cfg = core_config(load_scenario(path, ["memory.paper_greedy_precisions=[int4, fp8, bf16]"]))
+    assert cfg.paper_greedy_precisions == ("bf16", "fp8", "int4")  # most precise first
+    with pytest.raises(
+        ScenarioError, match=r"memory: paper_greedy_precisions: \[.int3.\] not in precisions; allowed: bf16"
+    ):
+        load_scenario(path, ["memory.paper_greedy_precisions=[bf16, int3]"])

@@ -61,7 +61,8 @@ def test_requests_that_can_never_fit_are_rejected_with_a_reason():
 
 
 def test_preemption_is_newest_first_and_keeps_generated_tokens():
-    _, kv, s = make(4, block_tokens=4, blocks_per_page=1)  # 4 blocks of 4 tokens
+    # 4 blocks of 4 tokens; vLLM's admission, which lets the second request in on its first chunk
+    _, kv, s = make(4, block_tokens=4, blocks_per_page=1, admission="greedy")
     old, new = Request(0, 0.0, 4, 6), Request(1, 0.1, 4, 6)
     s.add(old), s.add(new)
     now = 0.0
@@ -78,7 +79,7 @@ def test_preemption_is_newest_first_and_keeps_generated_tokens():
 
 
 def test_swap_preemption_resumes_without_recompute():
-    _, kv, s = make(4, block_tokens=4, blocks_per_page=1, preemption_mode="swap")
+    _, kv, s = make(4, block_tokens=4, blocks_per_page=1, preemption_mode="swap", admission="greedy")
     old, new = Request(0, 0.0, 4, 6), Request(1, 0.1, 4, 6)
     s.add(old), s.add(new)
     now, swapped_out, swapped_in = 0.0, 0, 0
@@ -95,7 +96,7 @@ def test_swap_preemption_resumes_without_recompute():
 
 
 def test_pressure_hook_is_asked_before_any_preemption():
-    pool, kv, s = make(8, block_tokens=4, blocks_per_page=1)
+    pool, kv, s = make(8, block_tokens=4, blocks_per_page=1, admission="greedy")
     reserve = list(pool.alloc(OWNER_PINNED, 4))  # stands for expert pages a downgrade can free
     asked = []
 
@@ -116,7 +117,7 @@ def test_pressure_hook_is_asked_before_any_preemption():
 
 
 def run_random_workload(
-    seed, num_pages, blocks_per_page, block_tokens, max_batched, max_seqs, num_requests, with_hook, mode
+    seed, num_pages, blocks_per_page, block_tokens, max_batched, max_seqs, num_requests, with_hook, mode, admission
 ) -> int:
     """One random workload to the end, checking every invariant at every step; returns the steps."""
     rng = np.random.default_rng(seed)
@@ -128,6 +129,8 @@ def run_random_workload(
         max_num_seqs=max_seqs,
         max_model_len=512,
         preemption_mode=mode,
+        admission=admission,
+        admission_reserve_tokens=int(rng.integers(1, 80)),
     )
     reserve = list(pool.alloc(OWNER_PINNED, num_pages // 4))
     if with_hook:
@@ -189,6 +192,7 @@ def test_random_workloads_lose_nothing():
         num_requests=st.integers(1, 80),
         with_hook=st.booleans(),
         mode=st.sampled_from(["recompute", "swap"]),
+        admission=st.sampled_from(["forecast", "greedy"]),
     )
     def workload(**kw):
         steps.append(run_random_workload(**kw))
@@ -197,7 +201,58 @@ def test_random_workloads_lose_nothing():
     assert sum(steps) >= 2000, steps
 
 
-@pytest.mark.parametrize("field", ["max_num_batched_tokens", "max_num_seqs", "max_model_len"])
+@pytest.mark.parametrize(
+    "field", ["max_num_batched_tokens", "max_num_seqs", "max_model_len", "admission_reserve_tokens"]
+)
 def test_config_rejects_non_positive_limits(field):
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: 0})
+
+
+def test_config_names_the_admission_rules():
+    with pytest.raises(ValueError, match="admission.*'forecast' or 'greedy'"):
+        SchedulerConfig(admission="eager")
+
+
+def replay_long_prompts(admission: str, num_requests=12, prompt=100, output=60, **cfg):
+    """Long prompts arriving faster than they finish, in KV for about two of them at a time, in
+    chunks of 48 tokens. Returns (prefill tokens computed / prompt tokens, preemptions)."""
+    _, kv, s = make(40, block_tokens=4, blocks_per_page=2, max_num_batched_tokens=48, admission=admission, **cfg)
+    reqs = [Request(i, 0.1 * i, prompt, output) for i in range(num_requests)]
+    now, nxt, prefill = 0.0, 0, 0
+    while nxt < len(reqs) or s.has_work():
+        while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
+            s.add(reqs[nxt])
+            nxt += 1
+        _, shape, _ = step(s, now)
+        prefill += shape.num_prefill_tokens
+        now += 1.0
+    assert all(r.state is FINISHED and r.num_output_tokens == output for r in reqs)
+    assert kv.num_used_blocks == 0
+    return prefill / (num_requests * prompt), s.num_preemptions
+
+
+def test_forecast_admission_stops_recompute_storms():
+    """Under vLLM's rule each prompt admitted on its first chunk is preempted by the decodes
+    that grow into its blocks and recomputed again and again (4.7x the prompt tokens here);
+    admission by forecast KV demand computes each prompt once."""
+    greedy_ratio, greedy_preemptions = replay_long_prompts("greedy")
+    assert greedy_ratio > 2.0 and greedy_preemptions > 20
+    ratio, preemptions = replay_long_prompts("forecast")
+    assert ratio == 1.0 and preemptions == 0
+
+
+def test_forecast_admission_reserves_at_most_the_configured_outputs():
+    """A promise covers the next ``admission_reserve_tokens`` outputs, not a long max_tokens:
+    two requests whose whole outputs would not fit side by side still run together, and the
+    one that outgrows the promise is preempted the vLLM way, then finishes."""
+    _, _, s = make(40, block_tokens=4, blocks_per_page=2, admission_reserve_tokens=8)  # 80 blocks
+    a, b = Request(0, 0.0, 40, 200), Request(1, 0.0, 40, 200)  # 60 blocks each in the end
+    s.add(a), s.add(b)
+    step(s, 0.0)
+    assert a.state is RUNNING and b.state is RUNNING
+    now = 1.0
+    while s.has_work():
+        step(s, now)
+        now += 1
+    assert a.num_output_tokens == b.num_output_tokens == 200 and s.num_preemptions >= 1

@@ -98,7 +98,13 @@ def test_same_seed_same_results_and_golden_summary(tmp_path):
 
 
 def test_kv_swap_moves_kv_over_pcie_and_records_it(tmp_path):
-    overrides = [*PRESSURE, "workload.lengths.output_tokens=400", "policies=[kv-swap]"]
+    # A promise of 16 outputs where each request writes 400: growth beyond it must preempt.
+    overrides = [
+        *PRESSURE,
+        "workload.lengths.output_tokens=400",
+        "policies=[kv-swap]",
+        "scheduler.admission_reserve_tokens=16",
+    ]
     loaded = load_scenario(FIXTURES / "scenarios" / "good.yaml", overrides)  # fmt: skip
     s = run_scenario(loaded, tmp_path / "swap", report=False)["policies"]["kv-swap"]
     steps = pd.read_csv(tmp_path / "swap" / "steps.csv")

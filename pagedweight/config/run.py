@@ -33,13 +33,17 @@ def core_config(loaded: LoadedScenario) -> CoreConfig:
         budget_bytes=loaded.budget_bytes,
         page_bytes=sc.memory.page_bytes,
         kv_block_tokens=sc.memory.kv_block_tokens,
+        prefix_caching=sc.memory.prefix_caching,
         scheduler=SchedulerConfig(
             **sc.scheduler.model_dump(exclude={"max_model_len"}), max_model_len=loaded.max_model_len
         ),
         controller=ControllerSettings(
-            **c.model_dump(exclude={"static_mixed_fraction", "max_in_flight"}), max_in_flight_bytes=c.max_in_flight
+            **c.model_dump(exclude={"static_mixed_fraction", "max_in_flight"}),
+            max_in_flight_bytes=c.max_in_flight,
+            tpot_slo_s=None if sc.slo.tpot_ms is None else sc.slo.tpot_ms / 1e3,
         ),
         static_mixed_fraction=c.static_mixed_fraction,
+        paper_greedy_precisions=sc.memory.paper_greedy_precisions,
     )
 
 

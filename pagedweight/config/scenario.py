@@ -3,7 +3,8 @@
     name: longctx
     model: mixtral-8x7b            # built-in name (``pwsim specs``) or a path to a ModelSpec YAML
     gpu: h200
-    memory: {budget: 120 GiB, page_bytes: 2 MiB, kv_block_tokens: 16, precisions: [bf16, fp8, int8, int4]}
+    memory: {budget: 120 GiB, page_bytes: 2 MiB, kv_block_tokens: 16, prefix_caching: true,
+             precisions: [bf16, fp8, int8, int4]}
     workload: {kind: trace, path: ../traces/longctx.jsonl, format: mooncake}
     scheduler: {max_num_batched_tokens: 8192, max_num_seqs: 256}
     latency: {kind: analytic}
@@ -79,17 +80,34 @@ class MemoryConfig(_Strict):
     budget_fraction: float | None = Field(default=None, gt=0, le=1)
     page_bytes: Bytes = DEFAULT_PAGE_BYTES
     kv_block_tokens: int = Field(default=CoreConfig.kv_block_tokens, ge=1)
+    # Keep full prompt blocks' KV for later requests with the same prefix (pagedweight.core.prefix):
+    # the engine keys blocks by token ids, the simulator by a trace's hash_ids (none: no sharing).
+    prefix_caching: bool = CoreConfig.prefix_caching
     precisions: tuple[str, ...] = ("bf16", "fp8", "int8", "int4")
+    # paper-greedy's ladder; default (None): the paper's, full precision, INT8 and INT4 (those of
+    # ``precisions``). Name others to compare it on a ladder of your own.
+    paper_greedy_precisions: tuple[str, ...] | None = None
 
-    @field_validator("precisions")
+    @field_validator("precisions", "paper_greedy_precisions")
     @classmethod
-    def _known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+    def _known(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if v is None:
+            return None
         if not v:
             raise ConfigError("name at least one precision")
         for name in v:
             if name not in PRECISIONS:
                 raise ConfigError(f"unknown precision {name!r}; allowed: {', '.join(PRECISIONS)}")
         return tuple(p.name for p in ladder(list(v)))
+
+    @model_validator(mode="after")
+    def _paper_ladder_within(self) -> MemoryConfig:
+        extra = [p for p in self.paper_greedy_precisions or () if p not in self.precisions]
+        if extra:
+            raise ConfigError(
+                f"paper_greedy_precisions: {extra} not in precisions; allowed: {', '.join(self.precisions)}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_budget(self) -> MemoryConfig:
@@ -104,6 +122,8 @@ class SchedulerSection(_Strict):
     max_num_batched_tokens: int = Field(default=SchedulerConfig.max_num_batched_tokens, ge=1)
     max_num_seqs: int = Field(default=SchedulerConfig.max_num_seqs, ge=1)
     max_model_len: int | None = Field(default=None, ge=1)  # default: the model's context
+    admission: Literal["forecast", "greedy"] = SchedulerConfig.admission
+    admission_reserve_tokens: int = Field(default=SchedulerConfig.admission_reserve_tokens, ge=1)
 
 
 class SyntheticImportance(_Strict):
@@ -152,6 +172,8 @@ class ControllerConfig(_Strict):
     min_dwell_s: float = Field(default=_CTL.min_dwell_s, ge=0)  # an expert keeps a new precision at least this long
     plan_interval_s: float = Field(default=_CTL.plan_interval_s, ge=0)  # at most one (non-emergency) plan per interval
     rescale_interval_s: float = Field(default=_CTL.rescale_interval_s, ge=0)  # routing-drift re-scaling (0: off)
+    # Under slo.tpot_ms, upgrades stop where the predicted step is within this fraction of it.
+    latency_margin: float = Field(default=_CTL.latency_margin, ge=0, lt=1)
     # static-mixed: the fixed weight budget, as a fraction of every expert at the top precision.
     static_mixed_fraction: float = Field(default=CoreConfig.static_mixed_fraction, gt=0, le=1)
 

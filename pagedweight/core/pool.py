@@ -9,6 +9,10 @@ numpy array, cheap enough to check on every step of a property test:
 - ``OWNER_PINNED``: weights that never change precision (attention, embeddings, routers,
   shared experts, dense layers).
 - ``OWNER_TRANSITION``: pages being filled for a precision change that has not completed.
+- ``OWNER_KV_CACHED``: KV pages whose every block in use is a cached prefix block that no
+  request holds (prefix caching): memory that holds something worth keeping but can be taken
+  back at once. The pool's ``reclaim`` hook evicts such pages when an allocation finds too few
+  free pages, so to every other claimant they are as good as free (``num_available``).
 - ``weight_owner(precision_id)``: routed-expert weights at that precision.
 
 A page freed by a downgrade is immediately a page the KV allocator can take on the next step:
@@ -18,6 +22,8 @@ that is the whole point of one pool rather than two.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -31,6 +37,7 @@ OWNER_FREE = 0
 OWNER_KV = 1
 OWNER_PINNED = 2
 OWNER_TRANSITION = 3
+OWNER_KV_CACHED = 4
 _WEIGHT_BASE = 8
 NUM_OWNERS = _WEIGHT_BASE + len(PRECISION_NAMES)
 
@@ -43,7 +50,13 @@ def weight_owner(precision_id: int) -> int:
 def owner_name(owner: int) -> str:
     if owner >= _WEIGHT_BASE:
         return f"weight:{PRECISION_NAMES[owner - _WEIGHT_BASE]}"
-    return {OWNER_FREE: "free", OWNER_KV: "kv", OWNER_PINNED: "pinned", OWNER_TRANSITION: "transition"}[owner]
+    return {
+        OWNER_FREE: "free",
+        OWNER_KV: "kv",
+        OWNER_PINNED: "pinned",
+        OWNER_TRANSITION: "transition",
+        OWNER_KV_CACHED: "kv_cached",
+    }[owner]
 
 
 class PagePool:
@@ -66,11 +79,19 @@ class PagePool:
         # Free pages as a stack; the low page ids are handed out first (top of the stack).
         self._free_stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = self.num_pages
+        # Called with the number of pages missing when an allocation finds too few free: the KV
+        # allocator evicts cached prefix pages there (``OWNER_KV_CACHED``). None: nothing to reclaim.
+        self.reclaim: Callable[[int], None] | None = None
 
     # ---- queries --------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
         return self._num_free
+
+    @property
+    def num_available(self) -> int:
+        """Free pages plus cached prefix pages an allocation would reclaim."""
+        return self._num_free + self._count[OWNER_KV_CACHED]
 
     def num_owned(self, owner: int) -> int:
         return self._count[owner]
@@ -99,6 +120,8 @@ class PagePool:
             raise PoolError(f"cannot allocate for owner {owner}")
         if num_pages < 0:
             raise PoolError(f"num_pages(={num_pages}) must be >= 0")
+        if num_pages > self._num_free and self.reclaim is not None and owner != OWNER_KV:
+            self.reclaim(num_pages - self._num_free)
         if num_pages > self._num_free:
             raise PoolExhausted(
                 f"{owner_name(owner)} asked for {num_pages} pages; only {self._num_free} of {self.num_pages} free"
@@ -118,6 +141,8 @@ class PagePool:
         taken for about one decode in 16 every step, where numpy's per-call costs dominate."""
         if num_pages > 4 or owner == OWNER_FREE or not 0 < owner < NUM_OWNERS or num_pages < 0:
             return self.alloc(owner, num_pages).tolist()
+        if num_pages > self._num_free and self.reclaim is not None and owner != OWNER_KV:
+            self.reclaim(num_pages - self._num_free)
         if num_pages > self._num_free:
             raise PoolExhausted(
                 f"{owner_name(owner)} asked for {num_pages} pages; only {self._num_free} of {self.num_pages} free"
@@ -155,6 +180,24 @@ class PagePool:
         pages = self._checked(pages, from_owner)
         n = len(pages)
         self._owner_of[pages] = to_owner
+        self._count[from_owner] -= n
+        self._count[to_owner] += n
+        self._num_weight += n * ((to_owner >= _WEIGHT_BASE) - (from_owner >= _WEIGHT_BASE))
+
+    def transfer_list(self, pages: list[int], from_owner: int, to_owner: int) -> None:
+        """``transfer`` for a few pages given as ints (the prefix cache's path, a page or two per
+        allocation, where numpy's per-call costs dominate); the same checks."""
+        owner_of = self._owner_of
+        if len(pages) > 4 or to_owner == OWNER_FREE or len(set(pages)) != len(pages):
+            self.transfer(pages, from_owner, to_owner)
+            return
+        for page in pages:
+            if not 0 <= page < self.num_pages or owner_of[page] != from_owner:
+                self.transfer(pages, from_owner, to_owner)  # raises, naming the page
+                return
+        for page in pages:
+            owner_of[page] = to_owner
+        n = len(pages)
         self._count[from_owner] -= n
         self._count[to_owner] += n
         self._num_weight += n * ((to_owner >= _WEIGHT_BASE) - (from_owner >= _WEIGHT_BASE))
@@ -199,6 +242,17 @@ class KvBlockAllocator:
     ``page * page_bytes + slot * block_bytes`` in the arena. A page goes back to the pool as
     soon as its last block is freed, so KV never sits on pages a downgrade could reuse.
     New blocks come from partly used pages first, which keeps fragmentation low.
+
+    Prefix caching (``cache_block``, ``acquire``, ``release``): a block whose KV a request has
+    computed for a full block of its prompt may be registered under the key of its content (a
+    hash chain: the key of block j stands for every token of blocks 0..j). A cached block counts
+    the requests holding it; when none does it stays filled, *evictable*, in least-recently-used
+    order, and a request with the same prefix takes it back instead of computing it. Evictable
+    blocks are evicted (their key forgotten) only when an allocation needs them: KV allocations
+    take free slots and free pages first, then reuse the least recently used evictable blocks in
+    place; a weight allocation that finds too few free pages reclaims whole ``OWNER_KV_CACHED``
+    pages (the pool's ``reclaim`` hook). A page is owned by ``OWNER_KV`` while any of its blocks
+    is held by a request, by ``OWNER_KV_CACHED`` while all its used blocks are evictable.
     """
 
     def __init__(self, pool: PagePool, block_tokens: int, kv_bytes_per_token: int):
@@ -213,44 +267,83 @@ class KvBlockAllocator:
                 f"does not fit in a {pool.page_bytes} B page; use fewer tokens per block or larger pages"
             )
         self.blocks_per_page = pool.page_bytes // self.block_bytes
-        self._used_in_page = np.zeros(pool.num_pages, dtype=np.int32)
+        self._used_in_page = np.zeros(pool.num_pages, dtype=np.int32)  # blocks held or evictable
         self._free_slots: dict[int, list[int]] = {}  # partly used KV page -> free block ids
         self._num_free_in_pages = 0
-        self.num_used_blocks = 0
+        self.num_used_blocks = 0  # blocks held by requests (evictable cached blocks are not)
         # Free pool pages KV may not take: headroom a downgrade needs for its new (smaller)
         # pages before it frees the old ones. Set by the controller; 0 for static policies.
         self.reserve_pages = 0
+        # Prefix cache: content key <-> block, requests holding each cached block, and the
+        # cached blocks nobody holds, least recently used first.
+        self._block_of_key: dict[int, int] = {}
+        self._key_of_block: dict[int, int] = {}
+        self._refs: dict[int, int] = {}  # cached blocks held by two or more: how many (one: absent)
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Evictable blocks per page, kept only with several blocks a page (with one, a page is
+        # evictable exactly when its block is).
+        self._evictable_in_page = np.zeros(pool.num_pages, dtype=np.int32)
+        self.num_evicted_blocks = 0  # cached blocks whose key was forgotten to make room
+        pool.reclaim = self._reclaim_pages
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_tokens)
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks available now: free slots in KV pages plus whole free pages of the pool."""
+        """Blocks available now: free slots in KV pages, whole free pages of the pool, and
+        evictable cached blocks. With one block a page, the downgrade reserve holds back free
+        and cached pages alike (a cached page is reclaimed for a downgrade's new pages as a free
+        one is); with several, only free pages (a cached page's blocks are counted in full)."""
         spare_pages = self.pool.num_free - self.reserve_pages
-        return self._num_free_in_pages + (spare_pages * self.blocks_per_page if spare_pages > 0 else 0)
+        if self.blocks_per_page == 1:
+            spare_pages += len(self._evictable)
+            return spare_pages if spare_pages > 0 else 0
+        return (
+            self._num_free_in_pages
+            + len(self._evictable)
+            + (spare_pages * self.blocks_per_page if spare_pages > 0 else 0)
+        )
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Evictable cached blocks: prefix KV kept although no request holds it."""
+        return len(self._evictable)
 
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > self.num_free_blocks:
             raise PoolExhausted(f"asked for {num_blocks} KV blocks; {self.num_free_blocks} free")
+        reused: list[int] = []
+        if self._evictable:
+            spare_pages = self.pool.num_free - self.reserve_pages
+            direct = self._num_free_in_pages + (spare_pages * self.blocks_per_page if spare_pages > 0 else 0)
+            if num_blocks > direct:
+                reused = self._evict_for_reuse(num_blocks - direct)
+                num_blocks -= len(reused)
+                if not num_blocks:
+                    return reused
         if self.blocks_per_page == 1:  # one block per page (e.g. Mixtral: 16 x 128 KiB = 2 MiB)
             pages = self.pool.alloc_list(OWNER_KV, num_blocks)
             used = self._used_in_page
             for page in pages:
                 used[page] = 1
             self.num_used_blocks += num_blocks
-            return pages
-        out: list[int] = []
-        while len(out) < num_blocks and self._free_slots:
+            return reused + pages if reused else pages
+        out: list[int] = reused
+        want = len(reused) + num_blocks
+        owner_of = self.pool._owner_of
+        while len(out) < want and self._free_slots:
             page, slots = next(iter(self._free_slots.items()))
-            take = min(num_blocks - len(out), len(slots))
+            take = min(want - len(out), len(slots))
             out.extend(slots[len(slots) - take :])
             del slots[len(slots) - take :]
+            if owner_of[page] == OWNER_KV_CACHED:  # a request holds a block of it again
+                self.pool.transfer([page], OWNER_KV_CACHED, OWNER_KV)
             self._used_in_page[page] += take
             self._num_free_in_pages -= take
             if not slots:
                 del self._free_slots[page]
-        missing = num_blocks - len(out)
+        missing = want - len(out)
         if missing:
             bpp = self.blocks_per_page
             pages = self.pool.alloc(OWNER_KV, -(-missing // bpp))
@@ -267,6 +360,15 @@ class KvBlockAllocator:
         return out
 
     def free(self, block_ids: list[int]) -> None:
+        """Give back a request's blocks: cached ones lose a holder (and become evictable when
+        none is left), the others are freed."""
+        keyed = self._key_of_block
+        if keyed:
+            cached = [b for b in block_ids if b in keyed]
+            if cached:
+                private = [b for b in block_ids if b not in keyed] if len(cached) < len(block_ids) else []
+                self.release(cached)
+                block_ids = private
         bpp = self.blocks_per_page
         if bpp == 1:
             pages = np.asarray(block_ids, dtype=np.int64)
@@ -277,6 +379,7 @@ class KvBlockAllocator:
             self.num_used_blocks -= len(pages)
             return
         released: list[int] = []
+        evictable_in_page = self._evictable_in_page
         for block in block_ids:
             page = block // bpp
             if self.pool._owner_of[page] != OWNER_KV or self._used_in_page[page] <= 0:
@@ -290,19 +393,215 @@ class KvBlockAllocator:
                 slots = self._free_slots.setdefault(page, [])
                 slots.append(block)
                 self._num_free_in_pages += 1
+                if evictable_in_page[page] and evictable_in_page[page] == self._used_in_page[page]:
+                    self.pool.transfer([page], OWNER_KV, OWNER_KV_CACHED)  # only cached blocks left
         self.num_used_blocks -= len(block_ids)
         if released:
             self.pool.free(released, OWNER_KV)
 
+    # ---- prefix caching -----------------------------------------------------------------------
+    def cache_block(self, block: int, key: int) -> bool:
+        """Register a block a request holds, whose KV is computed, under its content ``key``.
+        False (and nothing changes) if the key is cached already (another request computed the
+        same prefix meanwhile: this block stays private) or the block is cached under a key."""
+        if key in self._block_of_key or block in self._key_of_block:
+            return False
+        self._block_of_key[key] = block
+        self._key_of_block[block] = key
+        return True
+
+    def cache_blocks(self, blocks: Sequence[int], keys: Sequence[int]) -> None:
+        """``cache_block`` for each pair, in one call (a request's newly computed blocks)."""
+        by_key, by_block = self._block_of_key, self._key_of_block
+        for block, key in zip(blocks, keys, strict=True):
+            if key not in by_key and block not in by_block:
+                by_key[key] = block
+                by_block[block] = key
+
+    def lookup(self, keys: Sequence[int], limit: int) -> tuple[int, int]:
+        """How many of the leading ``keys`` (at most ``limit``) are cached, and how many of those
+        are evictable (taking them leaves that many fewer free blocks), without taking them."""
+        n = idle = 0
+        cached, evictable = self._block_of_key, self._evictable
+        while n < limit:
+            block = cached.get(keys[n])
+            if block is None:
+                break
+            idle += block in evictable
+            n += 1
+        return n, idle
+
+    def acquire(self, keys: Sequence[int], limit: int) -> list[int]:
+        """The cached blocks of the longest cached run of leading ``keys`` (at most ``limit``),
+        each now held once more (an evictable one is held again, not evicted)."""
+        out: list[int] = []
+        cached, refs, evictable = self._block_of_key, self._refs, self._evictable
+        bpp, owner_of, in_page = self.blocks_per_page, self.pool._owner_of, self._evictable_in_page
+        to_kv: list[int] = []
+        for key in keys[:limit]:
+            block = cached.get(key)
+            if block is None:
+                break
+            if block in evictable:
+                del evictable[block]
+                page = block // bpp
+                if bpp > 1:  # one block per page: the page of an evictable block is a cached page
+                    in_page[page] -= 1
+                if owner_of[page] == OWNER_KV_CACHED:
+                    owner_of[page] = OWNER_KV  # marked now, so a page is listed once; moved below
+                    to_kv.append(page)
+                self.num_used_blocks += 1
+            else:
+                refs[block] = refs.get(block, 1) + 1
+            out.append(block)
+        self._move_pages(to_kv, OWNER_KV_CACHED, OWNER_KV)
+        return out
+
+    def _move_pages(self, pages: list[int], from_owner: int, to_owner: int) -> None:
+        """Hand ``pages``, already marked ``to_owner`` in the owner array, over in the pool's
+        counts: one pool call for many pages (a call per page cost ~5 us each)."""
+        if pages:
+            owner_of = self.pool._owner_of
+            for page in pages:
+                owner_of[page] = from_owner
+            self.pool.transfer_list(pages, from_owner, to_owner)
+
+    def release(self, blocks: list[int]) -> None:
+        """Cached blocks lose one holder each; a block nobody holds becomes evictable, as the
+        most recently used, a request's last block ahead of its first: so its last block, the
+        prefix least likely to be shared, is evicted first (as vLLM does)."""
+        refs, evictable, bpp = self._refs, self._evictable, self.blocks_per_page
+        idle: list[int] = []
+        for block in reversed(blocks):
+            if block in evictable:  # callers pass cached blocks (``free`` sorts them out)
+                raise PoolError(f"KV block {block} is not a cached block held by a request")
+            n = refs.get(block)
+            if n is None:
+                idle.append(block)
+            elif n > 2:
+                refs[block] = n - 1
+            else:
+                del refs[block]
+        if not idle:
+            return
+        evictable.update(dict.fromkeys(idle))
+        self.num_used_blocks -= len(idle)
+        owner_of = self.pool._owner_of
+        if bpp == 1:  # page = block: each such page now holds only a cached block
+            self.pool.transfer_list(idle, OWNER_KV, OWNER_KV_CACHED)
+            return
+        in_page, used_in_page = self._evictable_in_page, self._used_in_page
+        to_cached: list[int] = []
+        for block in idle:
+            page = block // bpp
+            in_page[page] += 1
+            if in_page[page] == used_in_page[page]:
+                owner_of[page] = OWNER_KV_CACHED
+                to_cached.append(page)
+        self._move_pages(to_cached, OWNER_KV, OWNER_KV_CACHED)
+
+    def key_of(self, block: int) -> int | None:
+        """The content key a block is cached under, or None."""
+        return self._key_of_block.get(block)
+
+    def holders(self, block: int) -> int:
+        """Requests holding a cached block (0 when evictable)."""
+        if block not in self._key_of_block or block in self._evictable:
+            return 0
+        return self._refs.get(block, 1)
+
+    def _forget(self, block: int) -> int:
+        """Evict one evictable block: its key is forgotten; returns its page."""
+        del self._evictable[block]
+        del self._block_of_key[self._key_of_block.pop(block)]
+        page = block // self.blocks_per_page
+        if self.blocks_per_page > 1:
+            self._evictable_in_page[page] -= 1
+        self.num_evicted_blocks += 1
+        return page
+
+    def _evict_for_reuse(self, num_blocks: int) -> list[int]:
+        """The ``num_blocks`` least recently used evictable blocks, evicted and handed out in
+        place as blocks a request holds (their pages stay KV pages). Usually one block for a
+        decode crossing into a new block once the cache fills the memory: plain Python."""
+        evictable, by_key, by_block = self._evictable, self._block_of_key, self._key_of_block
+        out = [evictable.popitem(last=False)[0] for _ in range(num_blocks)]
+        bpp, in_page, owner_of = self.blocks_per_page, self._evictable_in_page, self.pool._owner_of
+        self.num_evicted_blocks += num_blocks
+        self.num_used_blocks += num_blocks
+        if bpp == 1:  # page = block, and a page whose one block is evictable is a cached page
+            for block in out:
+                del by_key[by_block.pop(block)]
+            self.pool.transfer_list(out, OWNER_KV_CACHED, OWNER_KV)
+            return out
+        to_kv: list[int] = []
+        for block in out:
+            del by_key[by_block.pop(block)]
+            page = block // bpp
+            in_page[page] -= 1
+            if owner_of[page] == OWNER_KV_CACHED:
+                owner_of[page] = OWNER_KV  # marked now, so a page is listed once; moved below
+                to_kv.append(page)
+        self._move_pages(to_kv, OWNER_KV_CACHED, OWNER_KV)
+        return out
+
+    def _reclaim_pages(self, num_pages: int) -> None:
+        """Free up to ``num_pages`` whole ``OWNER_KV_CACHED`` pages for another claimant, the
+        pages of the least recently used evictable blocks first."""
+        bpp, owner_of = self.blocks_per_page, self.pool._owner_of
+        freed: list[int] = []
+        for block in list(self._evictable):
+            if len(freed) >= num_pages:
+                break
+            page = block // bpp
+            if block not in self._evictable or owner_of[page] != OWNER_KV_CACHED:
+                continue
+            for b in range(page * bpp, page * bpp + bpp):
+                if b in self._evictable:
+                    self._forget(b)
+            self._used_in_page[page] = 0
+            if page in self._free_slots:
+                self._num_free_in_pages -= len(self._free_slots.pop(page))
+            freed.append(page)
+        if freed:
+            self.pool.free(freed, OWNER_KV_CACHED)
+
     def check(self) -> None:
-        """Invariants: used + free slots = blocks of the KV pages; every KV page has a use."""
-        kv_pages = self.pool.num_owned(OWNER_KV)
-        if self.num_used_blocks + self._num_free_in_pages != kv_pages * self.blocks_per_page:
+        """Invariants: used + free slots = blocks of the KV pages; every KV page has a use; a
+        page is ``OWNER_KV_CACHED`` exactly when its used blocks are all evictable; every cached
+        block is held by a request or evictable, never both, under one key."""
+        pool, bpp = self.pool, self.blocks_per_page
+        kv_pages = pool.num_owned(OWNER_KV) + pool.num_owned(OWNER_KV_CACHED)
+        used = self.num_used_blocks + len(self._evictable)
+        if used + self._num_free_in_pages != kv_pages * bpp:
             raise PoolError(
-                f"KV blocks: {self.num_used_blocks} used + {self._num_free_in_pages} free "
-                f"!= {kv_pages} pages x {self.blocks_per_page}"
+                f"KV blocks: {self.num_used_blocks} used + {len(self._evictable)} cached + "
+                f"{self._num_free_in_pages} free != {kv_pages} pages x {bpp}"
             )
-        if int(self._used_in_page.sum()) != self.num_used_blocks:
+        if int(self._used_in_page.sum()) != used:
             raise PoolError("per-page block counts disagree with the used-block total")
         if sum(len(s) for s in self._free_slots.values()) != self._num_free_in_pages:
             raise PoolError("free-slot lists disagree with their count")
+        evictable_in_page = self._evictable_in_page
+        if bpp == 1:
+            evictable_in_page = np.zeros(pool.num_pages, dtype=np.int32)
+            evictable_in_page[list(self._evictable)] = 1
+        elif int(evictable_in_page.sum()) != len(self._evictable):
+            raise PoolError("per-page evictable counts disagree with the evictable set")
+        owners = pool._owner_of
+        in_use = self._used_in_page > 0
+        all_cached = in_use & (evictable_in_page == self._used_in_page)
+        if (owners[all_cached] != OWNER_KV_CACHED).any() or (owners[in_use & ~all_cached] != OWNER_KV).any():
+            raise PoolError("a KV page's owner disagrees with its blocks (held: kv; only evictable: kv_cached)")
+        if ((owners == OWNER_KV) | (owners == OWNER_KV_CACHED))[~in_use].any():
+            raise PoolError("a KV page without a block in use")
+        if len(self._block_of_key) != len(self._key_of_block) or any(
+            self._block_of_key.get(k) != b for b, k in self._key_of_block.items()
+        ):
+            raise PoolError("prefix cache: key and block maps disagree")
+        if not set(self._evictable) <= set(self._key_of_block):
+            raise PoolError("prefix cache: an evictable block without a key")
+        if set(self._refs) & set(self._evictable) or not set(self._refs) <= set(self._key_of_block):
+            raise PoolError("prefix cache: a shared block is evictable or has no key")
+        if any(n < 2 for n in self._refs.values()):
+            raise PoolError("prefix cache: a shared block's count below two")

@@ -47,8 +47,8 @@ from pagedweight.policy.controller import (
     Controller,
     ControllerSettings,
 )
-from pagedweight.policy.importance import ImportanceTable
-from pagedweight.policy.policies import DYNAMIC_POLICIES, setup_policy
+from pagedweight.policy.importance import ImportanceTable, on_ladder
+from pagedweight.policy.policies import DYNAMIC_POLICIES, policy_ladder, setup_policy
 from pagedweight.results.metrics import StepRecorder
 
 TRANSITION_COLUMNS = ("time_s", "expert", "layer", "from_precision", "to_precision", "kind", "bytes")
@@ -109,10 +109,15 @@ class CoreConfig:
     model: ModelSpec | None = None  # None: the runtime's own (the engine: its checkpoint's)
     page_bytes: int | None = None  # None: the smallest power of two >= 32 KiB holding one KV block
     kv_block_tokens: int = 16
+    # Keep the KV of full prompt blocks after their request ends and reuse it for requests with
+    # the same prefix (vLLM's automatic prefix caching; on by default, as in production engines).
+    prefix_caching: bool = True
     scheduler: SchedulerConfig = SchedulerConfig()  # max_model_len None: the model's context
     controller: ControllerSettings = ControllerSettings()
     # static-mixed: its fixed weight budget, as a fraction of every expert at the top precision.
     static_mixed_fraction: float = 0.5
+    # paper-greedy's precisions; None: the paper's ladder (full, INT8, INT4) within the table's.
+    paper_greedy_precisions: tuple[str, ...] | None = None
     # Keep only the newest this many steps and transitions (a server runs for days); None: all.
     history_window: int | None = None
 
@@ -219,6 +224,13 @@ class RuntimeCore:
         self.pool = pool = PagePool(cfg.budget_bytes, cfg.page_bytes)
         pool.alloc(OWNER_PINNED, pool.pages_for_bytes(model.pinned_bytes()))
         pages_by_id = expert_pages_by_id(model, cfg.page_bytes)
+        # The precisions this policy may use (paper-greedy: the paper's); the quality proxy
+        # still reads the whole table, so every policy is scored on the same losses.
+        self._quality = quality_matrix(table)
+        own_ladder = policy_ladder(policy, table.ladder, cfg.paper_greedy_precisions)
+        if own_ladder != table.ladder:
+            table = on_ladder(table, own_ladder)
+        self.ladder = table.ladder
         ladder_ids = [PRECISION_ID[p] for p in table.ladder]
         dynamic = policy in DYNAMIC_POLICIES and len(ladder_ids) > 1
         # Dynamic policies keep headroom for one downgrade's new pages (see KvBlockAllocator).
@@ -232,7 +244,9 @@ class RuntimeCore:
         floor_pages = int(pages_by_id[setup.floor_ids].sum())
         max_kv_pages = pool.num_pages - pool.num_owned(OWNER_PINNED) - floor_pages - reserve
         sched_cfg = replace(cfg.scheduler, preemption_mode=setup.preemption_mode)
-        self.scheduler = Scheduler(sched_cfg, self.kv, max_kv_pages * self.kv.blocks_per_page)
+        self.scheduler = Scheduler(
+            sched_cfg, self.kv, max_kv_pages * self.kv.blocks_per_page, prefix_caching=cfg.prefix_caching
+        )
         self.controller: Controller | None = None
         if setup.controller_mode:
             self.controller = Controller(
@@ -244,7 +258,6 @@ class RuntimeCore:
                 self.scheduler.forecast_kv_blocks,
             )
             self.scheduler.pressure_hook = self._on_pressure
-        self._quality = quality_matrix(table)
         self.quality_proxy = self.quality_recount()
         self.precision_grid = self.page_table.precision_ids.reshape(model.num_moe_layers, model.num_experts)
         # With a history window (a server runs for days) only the newest steps and transitions
@@ -256,6 +269,7 @@ class RuntimeCore:
         # Called with every step once it is recorded (tests compare runtimes step by step).
         self.on_step: Callable[[Step], None] | None = None
         self._counters = [0, 0, 0, 0]  # downgrades, upgrades, bytes down, bytes up since the last step
+        self._prefix_seen = (0, 0)  # prefix hit tokens and evicted blocks at the last step
         self._step_changes: list[Change] | None = None  # the changes of the step being planned
 
     # ---- requests -----------------------------------------------------------------------------
@@ -324,6 +338,12 @@ class RuntimeCore:
         controller restore precision now that KV has room (no step is recorded)."""
         self.backend.poll()
         self.plan_step()
+
+    def set_step_time_model(self, step_time_s) -> None:
+        """Give the controller the runtime's prediction of a step's seconds for a precision map
+        (flat ids per routed expert), which puts speed in its objective under a TPOT SLO."""
+        if self.controller is not None:
+            self.controller.step_time_s = step_time_s
 
     # ---- precision changes --------------------------------------------------------------------
     def _on_pressure(self, blocks_short: int) -> None:
@@ -426,5 +446,10 @@ class RuntimeCore:
             bytes_upgraded=c[3],
             bytes_swapped=bytes_swapped,
             quality_proxy=self.quality_proxy,
+            prefix_hit_tokens=sched.prefix_hit_tokens - self._prefix_seen[0],
+            kv_evicted_blocks=self.kv.num_evicted_blocks - self._prefix_seen[1],
         )
         self._counters = [0, 0, 0, 0]
+        if self.controller is not None:
+            self.controller.observe_step(duration_s)
+        self._prefix_seen = (sched.prefix_hit_tokens, self.kv.num_evicted_blocks)

@@ -2,10 +2,11 @@
 
 One step: ``schedule(now_s)`` picks running requests first (decodes and unfinished prefill
 chunks, oldest first), then admits waiting requests FCFS, within a token budget
-(``max_num_batched_tokens``) and ``max_num_seqs``. Prefill is chunked to what the budget
-leaves. When KV blocks run out it first calls the memory-pressure hook (the precision
-controller downgrades experts there, freeing pages) and only then preempts by recompute,
-newest first. ``finish_step(batch, end_s)`` appends the sampled tokens and releases finished
+(``max_num_batched_tokens``) and ``max_num_seqs``, and by default only when their forecast KV
+demand fits beside the running requests' (``admission``; docs/DESIGN.md). Prefill is chunked
+to what the budget leaves. When KV blocks run out it first calls the memory-pressure hook (the
+precision controller downgrades experts there, freeing pages) and only then preempts by
+recompute, newest first. ``finish_step(batch, end_s)`` appends the sampled tokens and releases finished
 requests.
 
 Token model (as in vLLM): a request holds ``prompt + num_output_tokens`` tokens, of which
@@ -13,14 +14,21 @@ Token model (as in vLLM): a request holds ``prompt + num_output_tokens`` tokens,
 reaches the last token, one new token is sampled. After a preemption the KV is dropped and
 prompt + generated tokens are recomputed; generated tokens are kept.
 
+Prefix caching (``prefix_caching=True``, vLLM's automatic prefix caching): a request that
+carries content keys for its full prompt blocks (``Request.block_hashes``, see
+``pagedweight.core.prefix``) starts from the longest run of its leading blocks that is cached,
+holding those blocks instead of computing them (at least its last prompt token is computed, for
+its first token's logits); the blocks it computes are registered as they complete. A request
+without keys neither hits nor registers. The methods under "prefix caching" are all of it.
+
 No torch and no SimPy here: both runtimes drive this class with their own clocks.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import islice
@@ -29,7 +37,7 @@ import numpy as np
 
 from pagedweight.core.pool import KvBlockAllocator
 from pagedweight.core.step import StepShape
-from pagedweight.errors import ConfigError
+from pagedweight.errors import ConfigError, PoolError
 
 
 class RequestState(Enum):
@@ -60,9 +68,18 @@ class SchedulerConfig:
     # swap: its KV is copied to host memory and back (the ``kv-swap`` policy); the runtime
     # times the copies from ``Batch.swapped_out_tokens`` / ``swapped_in_tokens``.
     preemption_mode: str = "recompute"
+    # forecast: a waiting request is admitted only when its whole prompt and the next
+    # ``admission_reserve_tokens`` output tokens (at most its own) fit beside what the running
+    # requests have been promised the same way (see ``_admits``). greedy: vLLM's rule, admitted
+    # when its first prefill chunk fits, which under KV pressure preempts and recomputes the
+    # same long prompts again and again.
+    admission: str = "forecast"
+    admission_reserve_tokens: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        if self.admission not in ("forecast", "greedy"):
+            raise ConfigError(f"admission(={self.admission!r}) must be 'forecast' or 'greedy'")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "admission_reserve_tokens"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name}(={getattr(self, name)}) must be > 0")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -90,6 +107,9 @@ class Request:
         "stop_early",
         "swapped_tokens",
         "preempted_at_s",
+        "block_hashes",
+        "num_cached_blocks",
+        "cached_tokens",
     )
 
     def __init__(self, request_id: int, arrival_s: float, prompt_tokens: int, max_output_tokens: int):
@@ -110,6 +130,12 @@ class Request:
         self.stop_early = False  # set by a real engine on EOS/stop string; the simulator never does
         self.swapped_tokens = 0  # tokens of KV held in host memory while preempted (swap mode)
         self.preempted_at_s: list[float] = []  # when each preemption happened
+        # Prefix caching: content keys of the prompt's full KV blocks (None: never shared), how
+        # many leading blocks of ``block_ids`` are cached ones, and the prompt tokens served from
+        # the cache when it was first scheduled (vLLM's ``cached_tokens``).
+        self.block_hashes: Sequence[int] | None = None
+        self.num_cached_blocks = 0
+        self.cached_tokens = 0
 
     @property
     def num_tokens(self) -> int:
@@ -176,6 +202,7 @@ class Scheduler:
         kv: KvBlockAllocator,
         max_kv_blocks: int,
         pressure_hook: PressureHook | None = None,
+        prefix_caching: bool = False,
     ):
         """``max_kv_blocks``: the most KV blocks this runtime can ever give one request (the
         pool less pinned weights and experts at the lowest precision the policy allows); a
@@ -187,6 +214,13 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_caching = prefix_caching
+        # Prompt tokens looked up in the prefix cache at admission, and those found (every
+        # admission, a resumed one too, as vLLM counts its prefix cache queries and hits).
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        # Running requests with prompt blocks still to register as they are computed.
+        self._prefix_pending: dict[Request, None] = {}
 
     # ---- arrivals -------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -239,6 +273,8 @@ class Scheduler:
             batch.swapped_out_tokens += req.num_computed_tokens
         self.kv.free(req.block_ids)
         req.block_ids = []
+        req.num_cached_blocks = 0
+        self._prefix_pending.pop(req, None)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.state = WAITING
@@ -289,15 +325,32 @@ class Scheduler:
         # the batch already. As in vLLM, a step that had to preempt admits nobody new.
         if batch.preempted:
             return batch
+        forecast = self.config.admission == "forecast"
+        promised = self._promised_blocks() if forecast and self.waiting else 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if forecast:
+                need = self._admits(req, promised)
+                if need is None:
+                    break
+                promised += need
             # A swapped-out request resumes where it stopped once its KV is copied back.
             resume_at = req.swapped_tokens
-            num_new = min(req.num_tokens - resume_at, budget)
-            req.num_computed_tokens = resume_at
+            hit = 0
+            if self.prefix_caching and req.block_hashes and not resume_at:
+                hit = self._acquire_prefix(req, budget)
+                if hit < 0:
+                    break  # does not fit even with its cached prefix
+            start = resume_at + hit
+            num_new = min(req.num_tokens - start, budget)
+            req.num_computed_tokens = start
             if not self._reserve(req, num_new):
+                if hit:
+                    self._release_prefix(req)
                 req.num_computed_tokens = 0
                 break
+            if req.block_hashes is not None and self.prefix_caching:
+                self._count_prefix(req, hit, looked_up=not resume_at)
             if resume_at:
                 batch.swapped_in_tokens += resume_at
                 req.swapped_tokens = 0
@@ -306,9 +359,46 @@ class Scheduler:
             if req.first_scheduled_s is None:
                 req.first_scheduled_s = now_s
             self.running.append(req)
-            batch.add(req, num_new, req.num_tokens - resume_at)
+            batch.add(req, num_new, req.num_tokens - start)
             budget -= num_new
         return batch
+
+    # ---- admission by forecast KV demand ------------------------------------------------------
+    # The rule that keeps preempted prefills from being recomputed again and again: memory is
+    # promised, not just free. Each running request is promised the blocks for the rest of its
+    # prompt and its next ``admission_reserve_tokens`` output tokens; a waiting request is
+    # admitted only if its own promise fits in the free blocks beside them (after the pressure
+    # hook, i.e. downgrades, has had its say). Under the greedy rule a long prompt is admitted
+    # as soon as its first chunk fits, the running decodes then grow into its blocks, it is
+    # preempted (newest first) and readmitted at once: its whole prefill again, every cycle.
+    def _promise(self, req: Request) -> int:
+        """Blocks ``req`` is promised in all: its prompt (and tokens to recompute) plus its next
+        ``admission_reserve_tokens`` outputs, capped at its own output length."""
+        ahead = req.max_output_tokens - req.num_output_tokens
+        reserve = self.config.admission_reserve_tokens
+        return -(-(req.num_tokens + (ahead if ahead < reserve else reserve)) // self.kv.block_tokens)
+
+    def _promised_blocks(self) -> int:
+        """Blocks promised to running requests beyond those they hold."""
+        out = 0
+        for req in self.running:
+            extra = self._promise(req) - len(req.block_ids)
+            if extra > 0:
+                out += extra
+        return out
+
+    def _admits(self, req: Request, promised: int) -> int | None:
+        """The blocks ``req``'s admission promises, or None if they do not fit beside
+        ``promised``. With nothing running there is nothing to wait for: it is admitted, as
+        under the greedy rule, if its first chunk fits (``_reserve`` decides)."""
+        need = self._promise(req)
+        if not self.running:
+            return need
+        short = promised + need - self.kv.num_free_blocks
+        if short > 0 and self.pressure_hook is not None:
+            self.pressure_hook(short)
+            short = promised + need - self.kv.num_free_blocks
+        return None if short > 0 else need
 
     def finish_step(self, batch: Batch, end_s: float) -> list[Request]:
         """Record the step's results at ``end_s``; returns the requests that finished."""
@@ -327,10 +417,13 @@ class Scheduler:
             if outputs >= req.max_output_tokens or req.stop_early:
                 req.state = FINISHED
                 req.finish_s = end_s
+                finished.append(req)
+        if self._prefix_pending:  # before the finished let go: their last blocks are cached too
+            self._cache_computed_blocks()
+        if finished:
+            for req in finished:
                 self.kv.free(req.block_ids)
                 req.block_ids = []
-                finished.append(req)
-        if finished:
             self.running = [r for r in self.running if r.state is RUNNING]
         return finished
 
@@ -342,9 +435,94 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req.block_ids)
         req.block_ids = []
+        req.num_cached_blocks = 0
+        self._prefix_pending.pop(req, None)
         req.state = REJECTED
         req.reject_reason = reason
         req.finish_s = end_s
+
+    # ---- prefix caching -------------------------------------------------------------------------
+    def _acquire_prefix(self, req: Request, budget: int) -> int:
+        """Hold the cached blocks of ``req``'s longest cached prefix; returns its tokens, or -1
+        (nothing taken) when the request cannot get the blocks for the rest of this step's
+        chunk even after the pressure hook: checked before taking anything, so that a request
+        left waiting does not take and give back its prefix every step. At least the last
+        prompt token is left to compute: its logits give the first token."""
+        kv = self.kv
+        bt = kv.block_tokens
+        limit = min(len(req.block_hashes), (req.prompt_tokens - 1) // bt)
+        if limit <= 0:
+            return 0
+        if self.pressure_hook is None:  # cheap bound first: even a whole hit would not fit
+            best = -(-(limit * bt + min(req.num_tokens - limit * bt, budget)) // bt) - limit
+            if best > kv.num_free_blocks:
+                return -1
+        n, idle = kv.lookup(req.block_hashes, limit)
+        num_new = min(req.num_tokens - n * bt, budget)
+        need = -(-(n * bt + num_new) // bt) - n
+        free = kv.num_free_blocks - idle
+        if need > free and self.pressure_hook is not None:
+            self.pressure_hook(need - free)
+            n, idle = kv.lookup(req.block_hashes, limit)  # the hook may have reclaimed cached pages
+            need = -(-(n * bt + min(req.num_tokens - n * bt, budget)) // bt) - n
+            free = kv.num_free_blocks - idle
+        if need > free:
+            return -1
+        blocks = kv.acquire(req.block_hashes, n) if n else []
+        req.block_ids = blocks
+        req.num_cached_blocks = len(blocks)
+        return len(blocks) * bt
+
+    def _release_prefix(self, req: Request) -> None:
+        """Undo ``_acquire_prefix`` for a request that could not be admitted after all."""
+        self.kv.release(req.block_ids)
+        req.block_ids = []
+        req.num_cached_blocks = 0
+
+    def _count_prefix(self, req: Request, hit_tokens: int, looked_up: bool) -> None:
+        """An admitted request: count its lookup (a swapped-out one resuming made none), and
+        register its blocks as they complete."""
+        if looked_up:
+            self.prefix_query_tokens += req.prompt_tokens
+            self.prefix_hit_tokens += hit_tokens
+            if req.first_scheduled_s is None:
+                req.cached_tokens = hit_tokens
+        if req.num_cached_blocks < len(req.block_hashes):
+            self._prefix_pending[req] = None
+
+    def _cache_computed_blocks(self) -> None:
+        """Register the prompt blocks completed so far by the requests that still had some to
+        compute (called after a step, before finished requests let go of their blocks)."""
+        bt, kv, pending = self.kv.block_tokens, self.kv, self._prefix_pending
+        for req in list(pending):
+            keys, done = req.block_hashes, req.num_cached_blocks
+            full = req.num_computed_tokens // bt
+            if full >= len(keys):
+                full = len(keys)
+                del pending[req]
+            if full > done:
+                kv.cache_blocks(req.block_ids[done:full], keys[done:full])
+                req.num_cached_blocks = full
+
+    def check_prefix_cache(self) -> None:
+        """Raise ``PoolError`` if an invariant across requests is broken (tests call it every
+        step): a cached block is held by as many requests as its count says, a private block by
+        one; no request holds an evictable block; and every cached block a request holds sits at
+        the position of its key in that request's keys, so a hit never serves another prompt's KV."""
+        kv = self.kv
+        held = Counter(b for r in self.running for b in r.block_ids)
+        for block, n in held.items():
+            want = kv.holders(block) if kv.key_of(block) is not None else 1
+            if n != want:
+                raise PoolError(f"KV block {block} held by {n} requests; expected {want}")
+        if len(held) != kv.num_used_blocks:
+            raise PoolError(f"{len(held)} blocks held; the allocator counts {kv.num_used_blocks}")
+        for r in self.running:
+            for j, block in enumerate(r.block_ids):
+                key = kv.key_of(block)
+                keys = r.block_hashes
+                if key is not None and (keys is None or j >= len(keys) or keys[j] != key):
+                    raise PoolError(f"request {r.request_id} holds block {block} of another prefix at {j}")
 
     # ---- what the controller plans with -----------------------------------------------------
     def forecast_kv_blocks(self, horizon_steps: int) -> int:
@@ -352,10 +530,17 @@ class Scheduler:
         growing by one token a step (capped at their output length), and the queue's prompts."""
         bt = self.kv.block_tokens
         need = 0
+        # Under forecast admission the running requests' promises count too: weights that took
+        # those blocks back would be downgraded again at the next admission.
+        promise = self._promise if self.config.admission == "forecast" else None
         for req in self.running:
             target = req.prompt_tokens + req.num_output_tokens + horizon_steps
             final = req.prompt_tokens + req.max_output_tokens - 1
-            extra = -(-(target if target < final else final) // bt) - len(req.block_ids)
+            blocks = -(-(target if target < final else final) // bt)
+            if promise is not None:
+                promised = promise(req)
+                blocks = promised if promised > blocks else blocks
+            extra = blocks - len(req.block_ids)
             if extra > 0:
                 need += extra
         room = self.config.max_num_seqs - len(self.running)

@@ -13,7 +13,9 @@ Rules, per policy (``pagedweight.policy.policies``):
   to the ``marginal`` plan of the new budget (least loss per freed byte first). Upgrades only
   while more than ``high_watermark`` of the pool is free after the forecast (hysteresis), under
   a host-to-device byte budget (``copy_budget_bytes_per_s``, at most ``max_in_flight`` bytes in
-  flight), and never for an expert changed less than ``min_dwell_s`` ago.
+  flight), and never for an expert changed less than ``min_dwell_s`` ago. Under a TPOT SLO (and
+  a step-time model from the runtime) upgrades stop where the predicted step nears the SLO and
+  a step predicted past it downgrades, if a cheaper map meets it (``latency_cap``).
 - ``paper-greedy``: the paper's scheme: every step, re-plan with ``paper-greedy`` for the memory
   KV leaves right now and apply every difference, with no forecast, budget or hysteresis.
 - Static policies never change anything; ``kv-swap`` swaps KV instead (scheduler).
@@ -35,6 +37,7 @@ from pagedweight.errors import ConfigError
 from pagedweight.policy.allocate import Plan, Problem, paper_greedy
 from pagedweight.policy.hull import MarginalPlanner
 from pagedweight.policy.importance import ImportanceTable, RoutingTracker
+from pagedweight.policy.latency_cap import StepTimeModel, largest_budget_within
 
 
 class ChangeKind(Enum):
@@ -47,6 +50,7 @@ class ChangeKind(Enum):
 
 DOWNGRADE, UPGRADE, ABORT = ChangeKind.DOWNGRADE, ChangeKind.UPGRADE, ChangeKind.ABORT
 ROUTED_BLOCK_STEPS = 256
+STEP_EMA_WEIGHT = 1 / 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +74,12 @@ class ControllerSettings:
     # Re-scale the offline losses by the routing EMA this often (0: never). Rebuilding the
     # planner costs ~1 ms for Mixtral, ~20 ms at DeepSeek-V3 scale.
     rescale_interval_s: float = 10.0
+    # Speed in the objective (pagedweight, when the runtime gives a step-time model): no step
+    # predicted past this TPOT when a cheaper precision map meets it (None: memory only). Set
+    # from the scenario's slo.tpot_ms.
+    tpot_slo_s: float | None = None
+    # Upgrades only while their plan's step is predicted within (1 - margin) of the SLO.
+    latency_margin: float = 0.1
 
 
 class Controller:
@@ -123,6 +133,11 @@ class Controller:
         self._top_pages = int(page_table.pages_by_id[self.ladder_ids].max())
         self._at_top: tuple[int, bool] | None = None  # (page-table version, all experts at the top)
         self._pinned: tuple | None = None  # (table, pins, problem, planner, min bytes) of the last pinned plan
+        # Set by the runtime (RuntimeCore.set_step_time_model): a step's predicted seconds for a
+        # precision map. With settings.tpot_slo_s it puts speed in the objective (latency_cap.py).
+        self.step_time_s: StepTimeModel | None = None
+        self._step_ema_s = 0.0  # recent steps' mean duration: what a decoding request's TPOT is
+        self._floor_ids = np.full(page_table.num_experts, self.ladder_ids[-1], dtype=page_table.precision_ids.dtype)
 
     def _use_table(self, table: ImportanceTable) -> None:
         self.table = table.replace(bytes=self._page_bytes_grid)
@@ -254,14 +269,81 @@ class Controller:
             if self._all_at_top():
                 changes = []
             else:
-                plan = self._plan(room - (high - low))
+                budget = self._speed_capped(room - (high - low), 1.0 - s.latency_margin)
+                plan = self._plan(budget)
                 changes = self._upgrades_to(plan, now_s, budgeted=True) if plan is not None else []
         elif self._rebalance and not self.page_table.in_flight:
             changes = self._rebalanced(now_s)
         else:
             changes = []
+        if not changes:
+            changes = self._speed_downgrades()
         self._mark(changes, now_s)
         return changes
+
+    # ---- speed in the objective (pagedweight; see latency_cap.py) -------------------------------
+    def _speed_on(self) -> bool:
+        return self.mode == "pagedweight" and self.step_time_s is not None and self.settings.tpot_slo_s is not None
+
+    def _floor_pages(self) -> int:
+        return -(-int(self._problem.min_bytes.sum()) // self.pool.page_bytes)
+
+    def observe_step(self, duration_s: float) -> None:
+        """A step's duration: each running request got one token from it, so the recent mean is
+        the TPOT a decoding request sees (an EMA over ~256 steps, about one output)."""
+        if self._step_ema_s == 0.0:
+            self._step_ema_s = duration_s
+        else:
+            self._step_ema_s += STEP_EMA_WEIGHT * (duration_s - self._step_ema_s)
+
+    def _tpot_model(self):
+        """Predicted TPOT for a precision map: the recent mean step, plus what the runtime's model
+        says the last step would have gained or lost with that map. Added, not scaled: the bytes
+        are read once a step whatever else the step computes (a prefill chunk's compute is not
+        made faster by smaller weights)."""
+        base_s = self._step_ema_s - self.step_time_s(self.page_table.precision_ids)
+        return lambda ids: base_s + self.step_time_s(ids)
+
+    def _speed_capped(self, budget_pages: int, slo_fraction: float) -> int:
+        """``budget_pages``, or less if its plan's TPOT would exceed ``slo_fraction`` of the SLO
+        and a smaller budget's would not."""
+        if not self._speed_on() or self._step_ema_s <= 0:
+            return budget_pages
+        limit_s = self.settings.tpot_slo_s * slo_fraction
+        ids_of = self._plan_ids(pinned=True)
+        cap = largest_budget_within(limit_s, self._tpot_model(), ids_of, self._floor_pages(), budget_pages)
+        return budget_pages if cap is None else cap
+
+    def _speed_downgrades(self) -> list[Change]:
+        """Downgrade when the current precisions make TPOT miss the SLO and a cheaper map would
+        meet it."""
+        slo_s = self.settings.tpot_slo_s
+        if not self._speed_on() or self._step_ema_s <= slo_s:
+            return []
+        weights = self.pool.num_weight_pages()
+        floor = self._floor_pages()
+        tpot = self._tpot_model()
+        # Every expert at the ladder's bottom: if even that misses the SLO (long prefill chunks
+        # are compute-bound), precision cannot meet it and memory alone decides.
+        if floor >= weights or tpot(self._floor_ids) > slo_s:
+            return []
+        ids_of = self._plan_ids(pinned=False)
+        cap = largest_budget_within(slo_s, tpot, ids_of, floor, weights - 1)
+        if cap is None:
+            return []
+        # The mean lags the change: count the steps to come at their predicted time, or the
+        # next plans would downgrade again for steps already made faster.
+        self._step_ema_s = tpot(ids_of(cap))
+        return self._shrink_to(cap)
+
+    def _plan_ids(self, pinned: bool):
+        plan = self._plan if pinned else self._plan_without_in_flight
+
+        def ids_of(budget_pages: int):
+            p = plan(budget_pages)
+            return None if p is None else p.precision_ids
+
+        return ids_of
 
     def _rebalanced(self, now_s: float) -> list[Change]:
         """Traffic moved (the losses were re-scaled): re-plan the weights' current pages, moving
@@ -332,7 +414,8 @@ class Controller:
             gain = self.table.dloss[grow, cur_lv] - self.table.dloss[grow, tgt_lv]
             cost = np.maximum(1, self.table.bytes[grow, tgt_lv])
             grow = grow[np.argsort(-gain / cost, kind="stable")]
-        free = self.pool.num_free - self.kv.reserve_pages + extra_free_pages
+        # Cached prefix pages count as free: an upgrade's allocation evicts them (PagePool.reclaim).
+        free = self.pool.num_available - self.kv.reserve_pages + extra_free_pages
         in_flight_bytes = sum(t.num_bytes for t in pt.in_flight.values())
         changes = []
         for e in grow.tolist():

@@ -8,12 +8,14 @@
 | static-int4    | every expert at INT4, fixed                                                   |
 | static-mixed   | one offline ``marginal`` plan at a fixed budget, never changed (MC-MoE-like)  |
 | kv-swap        | full precision; KV of preempted requests swapped to host over PCIe (runtime)  |
-| paper-greedy   | the paper's dynamic scheme: re-plan with ``paper-greedy`` on every KV change  |
+| paper-greedy   | the paper's dynamic scheme: re-plan with ``paper-greedy`` on every KV change, |
+|                | on the paper's ladder (full, INT8, INT4: ``PAPER_LADDER``) unless configured  |
 | pagedweight    | per-precision losses, marginal knapsack, KV forecast, hysteresis, copy budget |
 
 ``setup_policy`` says, for a policy, the precision every expert starts at, the lowest the
 policy will ever go (which bounds the KV a request can get), which controller runs and how the
-scheduler preempts. Both runtimes call it; neither has its own idea of a policy.
+scheduler preempts. ``policy_ladder`` says which precisions a policy may use. Both runtimes
+call them; neither has its own idea of a policy.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedweight.core.spec import MASTER_PRECISIONS, PRECISION_ID
-from pagedweight.errors import PagedWeightError
+from pagedweight.errors import ConfigError, PagedWeightError
 from pagedweight.policy.allocate import Problem
 from pagedweight.policy.hull import MarginalPlanner
 from pagedweight.policy.importance import ImportanceTable
@@ -38,6 +40,27 @@ POLICY_NAMES: tuple[str, ...] = (
     "pagedweight",
 )
 DYNAMIC_POLICIES = ("paper-greedy", "pagedweight")
+# The paper's formats below the checkpoint's own (FP16/BF16 or FP8 blocks): INT8 and INT4. A
+# fair paper-greedy walks only these, as published; FP8, INT3 and INT2 are this project's.
+PAPER_LADDER: tuple[str, ...] = ("int8", "int4")
+
+
+def policy_ladder(name: str, scenario_ladder: tuple[str, ...], paper_greedy_ladder: tuple[str, ...] | None = None):
+    """The precisions ``name`` may use, most precise first. ``paper-greedy`` gets the paper's
+    ladder (the scenario's top, then whichever of INT8 and INT4 the scenario has), or
+    ``paper_greedy_ladder`` when one is configured (it must be part of the scenario's ladder);
+    every other policy gets the scenario's ladder."""
+    ladder = tuple(scenario_ladder)
+    if name != "paper-greedy":
+        return ladder
+    if paper_greedy_ladder is None:
+        return (ladder[0], *(p for p in ladder[1:] if p in PAPER_LADDER))
+    missing = [p for p in paper_greedy_ladder if p not in ladder]
+    if missing:
+        raise ConfigError(
+            f"paper_greedy_precisions: {missing} not in the precision ladder; allowed: {', '.join(ladder)}"
+        )
+    return tuple(p for p in ladder if p in paper_greedy_ladder)
 
 
 class PolicyInfeasible(PagedWeightError):

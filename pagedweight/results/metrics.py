@@ -23,6 +23,7 @@ from pagedweight.core.pool import (
     NUM_OWNERS,
     OWNER_FREE,
     OWNER_KV,
+    OWNER_KV_CACHED,
     OWNER_PINNED,
     OWNER_TRANSITION,
     PagePool,
@@ -50,6 +51,7 @@ REQUEST_COLUMNS = (
     "num_preemptions",
     "preempted_at_s",
     "reject_reason",
+    "cached_tokens",
 )
 
 
@@ -90,6 +92,7 @@ def request_rows(requests: list[Request]) -> list[dict]:
                 "num_preemptions": r.num_preemptions,
                 "preempted_at_s": ";".join(f"{t:.6f}" for t in r.preempted_at_s),
                 "reject_reason": r.reject_reason or "",
+                "cached_tokens": r.cached_tokens,
             }
         )
     return rows
@@ -208,6 +211,9 @@ class StepRecorder:
         "bytes_upgraded",
         "bytes_swapped",
         "quality_proxy",
+        "kv_cached_pages",
+        "prefix_hit_tokens",
+        "kv_evicted_blocks",
     )
     WEIGHT_COLUMNS = tuple(f"weight_pages_{p}" for p in PRECISION_NAMES)
     COLUMNS = BASE_COLUMNS + WEIGHT_COLUMNS
@@ -247,6 +253,8 @@ class StepRecorder:
         bytes_upgraded: int = 0,
         bytes_swapped: int = 0,
         quality_proxy: float = 0.0,
+        prefix_hit_tokens: int = 0,
+        kv_evicted_blocks: int = 0,
     ) -> None:
         counts = pool.counts()
         capacity = kv_blocks_used + kv_blocks_free
@@ -273,6 +281,9 @@ class StepRecorder:
                 bytes_upgraded,
                 bytes_swapped,
                 quality_proxy,
+                counts[OWNER_KV_CACHED],
+                prefix_hit_tokens,
+                kv_evicted_blocks,
                 *counts[_WEIGHT_OWNERS],
             )
         )

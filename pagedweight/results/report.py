@@ -161,6 +161,8 @@ def headline(run: RunResults) -> str:
         if int4 is not None:
             q += f" (static-int4: {int4.get('mean_quality_proxy', float('nan')):.4g})"
         parts.append(q)
+        if m.get("precision_ladder"):
+            parts.append("precisions " + " &gt; ".join(html.escape(str(x)) for x in m["precision_ladder"]))
         lines.append(f"<b>{html.escape(p)}</b> against {BASELINE}: " + ", ".join(parts))
     return '<p class="headline">' + "<br>".join(lines) + "</p>" if lines else ""
 
@@ -247,6 +249,7 @@ def run_section(run: RunResults, prefix: str, out_dir: Path, anchor: str) -> str
         ("latency", plots.latency_figure, "Latency CDFs, throughput, goodput and preemptions."),
         ("quality", plots.quality_figure, "Quality proxy over time, and quality against throughput."),
         ("transitions", plots.transitions_figure, "Precision transitions: bytes per second moved."),
+        ("prefix", plots.prefix_figure, "Prefix caching: prefill saved by hits, evictions, cached memory."),
     )
     if run.steps.empty:
         parts.append("<p>No steps.csv: memory, quality and transition figures are not drawn.</p>")

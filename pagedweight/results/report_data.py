@@ -42,6 +42,10 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("num_downgrades", "downgrades", "{:.0f}", ""),
     ("num_upgrades", "upgrades", "{:.0f}", ""),
     ("h2d_gib", "host-to-device traffic (GiB)", "{:.2f}", "lower"),
+    ("prefix_cache_hit_rate", "prefix cache hit rate (prompt tokens)", "{:.1%}", "higher"),
+    ("prefill_tokens_saved", "prefill tokens saved by prefix caching", "{:.0f}", "higher"),
+    ("num_evicted_blocks", "cached prefix blocks evicted", "{:.0f}", ""),
+    ("peak_kv_gib", "peak KV held by requests (GiB)", "{:.2f}", "lower"),
     ("rejected", "rejected requests", "{:.0f}", "lower"),
     ("unfinished", "unfinished requests", "{:.0f}", "lower"),
 )
@@ -72,6 +76,8 @@ def policy_metrics(entry: dict) -> dict:
             out[f"mean_weight_gib_{name}"] = w["mean_bytes"] / 2**30
     if "h2d_bytes" in entry:
         out["h2d_gib"] = entry["h2d_bytes"] / 2**30
+    if "peak_kv_bytes" in entry:
+        out["peak_kv_gib"] = entry["peak_kv_bytes"] / 2**30
     return out
 
 

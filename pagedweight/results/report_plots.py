@@ -44,7 +44,13 @@ PRECISION_COLOURS = {
     "int3": "#9e0142",
     "int2": "#5e3c99",
 }
-MEMORY_COLOURS = {"pinned": "#636363", "transition": "#e377c2", "kv": "#4f81bd", "free": "#ececec"}
+MEMORY_COLOURS = {
+    "pinned": "#636363",
+    "transition": "#e377c2",
+    "kv": "#4f81bd",
+    "kv_cached": "#9ecae1",
+    "free": "#ececec",
+}
 GIB = 2**30
 DPI = 90
 FIG_WIDTH_IN = 13.0  # every figure the same width: they stack in one column of the page
@@ -96,6 +102,12 @@ def memory_figure(run: RunResults, out_png: Path) -> Path | None:
         *((f"weight_pages_{p}", f"experts {p}", PRECISION_COLOURS.get(p, "#17becf")) for p in precisions),
         ("transition_pages", "transition in flight", MEMORY_COLOURS["transition"]),
         ("kv_pages", "KV cache", MEMORY_COLOURS["kv"]),
+        # Runs written before prefix caching have no such column.
+        *(
+            [("kv_cached_pages", "cached prefixes (evictable)", MEMORY_COLOURS["kv_cached"])]
+            if "kv_cached_pages" in steps and steps["kv_cached_pages"].any()
+            else []
+        ),
         ("free_pages", "free", MEMORY_COLOURS["free"]),
     ]
     fig, axes = _grid(len(policies), 2.3)
@@ -278,6 +290,40 @@ def quality_figure(run: RunResults, out_png: Path) -> Path:
     # One legend for both panels: labels beside points overlap when policies tie on throughput.
     fig.legend(*ax_t.get_legend_handles_labels(), loc="outside lower center", ncols=min(len(run.policies), 7))
     fig.suptitle("Quality (predicted loss increase of the current precision map)", fontsize=12)
+    return save_png(fig, out_png)
+
+
+def prefix_figure(run: RunResults, out_png: Path) -> Path | None:
+    """Prefix caching over time per policy: the prefill tokens cache hits have saved so far,
+    the cached blocks evicted so far, and the memory cached prefixes hold. None for a run
+    without prefix caching's columns, or in which it never hit or evicted."""
+    steps = run.steps
+    if "prefix_hit_tokens" not in steps or not (steps["prefix_hit_tokens"].any() or steps["kv_evicted_blocks"].any()):
+        return None
+    page_gib = run.summary["page_bytes"] / GIB
+    fig = Figure(figsize=(FIG_WIDTH_IN, 4.0), layout="constrained")
+    ax_hit, ax_ev, ax_mem = fig.subplots(1, 3)
+    for p in run.policies:
+        mine = steps[steps["policy"] == p]
+        if mine.empty:
+            continue
+        # Running totals on every step, then sampled (sampling first would drop steps' counts).
+        totals = mine.assign(hits=mine["prefix_hit_tokens"].cumsum(), evicted=mine["kv_evicted_blocks"].cumsum())
+        s = sample_steps(totals, ["hits", "evicted", "kv_cached_pages"])
+        style = {"color": policy_colour(p), "lw": 1.4, "label": p}
+        ax_hit.plot(s["time_s"], s["hits"], **style)
+        ax_ev.plot(s["time_s"], s["evicted"], **style)
+        ax_mem.step(s["time_s"], s["kv_cached_pages"] * page_gib, where="post", **style)
+    for ax, title in (
+        (ax_hit, "prefill tokens saved (cumulative)"),
+        (ax_ev, "cached blocks evicted (cumulative)"),
+        (ax_mem, "memory of cached prefixes (GiB)"),
+    ):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(_time_label(run))
+        ax.grid(alpha=0.3)
+    fig.legend(*ax_hit.get_legend_handles_labels(), loc="outside lower center", ncols=min(len(run.policies), 7))
+    fig.suptitle("Prefix caching: hits, evictions and the memory it holds", fontsize=12)
     return save_png(fig, out_png)
 
 

@@ -29,7 +29,7 @@ import pandas as pd
 
 from pagedweight.core.runtime import TRANSITION_COLUMNS, RuntimeCore
 from pagedweight.core.scheduler import Request
-from pagedweight.core.spec import PRECISION_NAMES
+from pagedweight.core.spec import PRECISION_NAMES, ladder
 from pagedweight.results.metrics import REQUEST_COLUMNS, Slo, request_rows, summarize
 
 
@@ -103,6 +103,11 @@ def policy_summary(requests: list[Request], core: RuntimeCore, slo: Slo, wall_s:
     """``summarize`` plus what only a run with precision changes has to say."""
     steps = core.steps.columns()
     s = summarize(requests, slo, steps)
+    # Prefill work against the prompts it served: above 1 by what preemption made it recompute
+    # (prompt and generated tokens alike). 1.0 when nothing was preempted and every prompt ran.
+    prefill = int(steps["num_prefill_tokens"].sum())
+    prompts = sum(r.prompt_tokens for r in requests if r.first_scheduled_s is not None)
+    s.update(prefill_tokens_computed=prefill, prefill_recompute_ratio=prefill / prompts if prompts else 0.0)
     n = len(core.steps)
     dur = steps["duration_s"]
     sim_s = float(steps["start_s"][-1] + dur[-1]) if n else 0.0
@@ -113,12 +118,42 @@ def policy_summary(requests: list[Request], core: RuntimeCore, slo: Slo, wall_s:
         max_quality_proxy=float(steps["quality_proxy"].max()) if n else 0.0,
         num_downgrades=int(steps["num_downgrades"].sum()),
         num_upgrades=int(steps["num_upgrades"].sum()),
+        transitions_per_request=int(steps["num_downgrades"].sum() + steps["num_upgrades"].sum())
+        / max(1, s["completed"]),
+        precision_ladder=_precisions_used(core),
+        **prefix_summary(core, steps),
         h2d_bytes=int(h2d_bytes),
         simulated_s=sim_s,
         wall_s=wall_s,
         sim_s_per_wall_s=sim_s / wall_s if wall_s > 0 else float("inf"),
     )
     return s
+
+
+def _precisions_used(core: RuntimeCore) -> list[str]:
+    """The ladder a dynamic policy walks; the precisions a static one holds, most precise first."""
+    if core.controller is not None:
+        return list(core.ladder)
+    ids = np.unique(np.asarray(core.setup.initial_ids))
+    return [p.name for p in ladder([PRECISION_NAMES[i] for i in ids])]
+
+
+def prefix_summary(core: RuntimeCore, steps: dict[str, np.ndarray]) -> dict:
+    """Prefix caching's figures: the share of prompt tokens looked up that were found cached
+    (vLLM's prefix cache hit rate), the prefill tokens that saved, the cached blocks evicted, and
+    the peak KV memory held by requests and by the cache."""
+    sched, page_bytes = core.scheduler, core.pool.page_bytes
+    kv, cached = steps["kv_pages"], steps["kv_cached_pages"]
+    return {
+        "prefix_caching": bool(sched.prefix_caching),
+        "prefix_cache_hit_rate": sched.prefix_hit_tokens / sched.prefix_query_tokens
+        if sched.prefix_query_tokens
+        else 0.0,
+        "prefill_tokens_saved": int(sched.prefix_hit_tokens),
+        "num_evicted_blocks": int(core.kv.num_evicted_blocks),
+        "peak_kv_bytes": int(kv.max()) * page_bytes if len(kv) else 0,
+        "peak_kv_cached_bytes": int(cached.max()) * page_bytes if len(cached) else 0,
+    }
 
 
 TABLES = ("requests", "steps", "transitions", "initial_precisions")

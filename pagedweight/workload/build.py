@@ -146,24 +146,14 @@ def window(trace: RequestTrace, start_s: float = 0.0, duration_s: float | None =
             f"the trace spans [0, {trace.span_s():.1f}] s"
         )
     note = f"window [{start_s:g}, {end_s:g}) s: {int(keep.sum())} of {len(t)} requests"
-    return trace.with_changes(
-        note,
-        arrival_s=t[keep] - start_s,
-        prompt_tokens=trace.prompt_tokens[keep],
-        output_tokens=trace.output_tokens[keep],
-    )
+    return trace.select(keep, note, arrival_s=t[keep] - start_s)
 
 
 def take(trace: RequestTrace, max_requests: int) -> RequestTrace:
     """The first ``max_requests`` requests."""
     n = max(0, int(max_requests))
     note = f"first {n} of {len(trace)} requests"
-    return trace.with_changes(
-        note,
-        arrival_s=trace.arrival_s[:n],
-        prompt_tokens=trace.prompt_tokens[:n],
-        output_tokens=trace.output_tokens[:n],
-    )
+    return trace.select(slice(0, n), note)
 
 
 def scale_rate(trace: RequestTrace, rate_scale: float) -> RequestTrace:

@@ -5,9 +5,15 @@
 - per-W count CV / max: std/mean and max of the number of arrivals in each W-second window,
   windows [kW, (k+1)W) from the first arrival up to the one holding the last.
 - lengths: numpy percentiles with linear interpolation.
+- prefix reuse (traces with Mooncake ``hash_ids``): the share of block ids seen earlier in the
+  trace (PROVENANCE.md's figure), and the prefix cache hit rate: prompt tokens in each
+  request's longest run of leading blocks cached before it arrived, over all prompt tokens, with
+  an unbounded cache (every block ever seen stays) or an LRU cache of ``capacity_blocks`` blocks.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 
@@ -48,12 +54,53 @@ def length_stats(tokens: np.ndarray) -> dict:
     }
 
 
-def trace_stats(trace: RequestTrace) -> dict:
+def prefix_stats(trace: RequestTrace, capacity_blocks: int | None = None, block_tokens: int = 512) -> dict:
+    """Prefix reuse of a trace with ``hash_ids`` (blocks of ``block_tokens`` prompt tokens). A
+    request's hit is its longest run of leading blocks whose chain (this block and every one
+    before it) is cached; its hit tokens are capped at its prompt less one token, as a serving
+    engine computes at least the last one. ``capacity_blocks``: an LRU cache of that many
+    blocks; None: unbounded."""
+    if trace.hash_ids is None:
+        return {}
+    seen_ids: set[int] = set()
+    chains: dict[tuple[int, int], int] = {}  # (chain of the blocks before, block id) -> chain
+    cache: OrderedDict[int, None] = OrderedDict()
+    reused = total_ids = hit_tokens = 0
+    for ids, prompt in zip(trace.hash_ids, trace.prompt_tokens.tolist(), strict=True):
+        ids = ids.tolist()
+        total_ids += len(ids)
+        reused += sum(i in seen_ids for i in ids)
+        seen_ids.update(ids)
+        chain, hit, missed = -1, 0, False
+        for block_id in ids:
+            chain = chains.setdefault((chain, block_id), len(chains))  # equal only if every id so far is
+            if not missed and chain in cache:
+                hit += 1
+                cache.move_to_end(chain)
+            else:
+                missed = True
+                cache[chain] = None
+        if capacity_blocks is not None:
+            while len(cache) > capacity_blocks:
+                cache.popitem(last=False)
+        hit_tokens += min(hit * block_tokens, max(prompt - 1, 0))
+    prompt_total = int(trace.prompt_tokens.sum())
     return {
+        "block_ids_seen_before_share": reused / total_ids if total_ids else 0.0,
+        "prefix_hit_rate": hit_tokens / prompt_total if prompt_total else 0.0,
+        "prefix_cache_blocks": "unbounded" if capacity_blocks is None else capacity_blocks,
+    }
+
+
+def trace_stats(trace: RequestTrace) -> dict:
+    out = {
         **arrival_stats(trace.arrival_s),
         "prompt_tokens": length_stats(trace.prompt_tokens),
         "output_tokens": length_stats(trace.output_tokens),
     }
+    if trace.hash_ids is not None:
+        out["prefix"] = prefix_stats(trace)
+    return out
 
 
 def format_stats(stats: dict) -> str:
@@ -82,4 +129,11 @@ def format_stats(stats: dict) -> str:
             f"{label:26s}mean {s['mean']:,.1f}  median {s['median']:,.1f}  p90 {s['p90']:,.1f}  "
             f"p99 {s['p99']:,.1f}  max {s['max']:,}  min {s['min']:,}"
         )
+    if stats.get("prefix"):
+        p = stats["prefix"]
+        lines += [
+            f"block ids seen before     {100 * p['block_ids_seen_before_share']:.1f} %",
+            f"prefix cache hit rate     {100 * p['prefix_hit_rate']:.1f} % of prompt tokens "
+            f"({p['prefix_cache_blocks']} cache of 512-token blocks)",
+        ]
     return "\n".join(lines)

@@ -19,6 +19,16 @@ Sources (figures as summarised in ../shared/traces/PROVENANCE.md, computed over 
   Systems" (2024) fit Gamma inter-arrival times with shape < 1 to production ChatGPT/GPT-4 traffic;
   the Azure 2023 code trace has an IAT CV of 13.15; ServeGen (Xiang et al., arXiv:2505.09999)
   reports a rate-weighted mean per-client IAT CV of 3.58 (p90 5.52) on Alibaba Bailian.
+
+``multiturn`` (``multi_turn_chat``) is no fitted preset but a generator of conversations whose
+turns share prefixes, as chat clients resend the whole conversation every turn: each turn's
+prompt is the previous prompt, the previous answer and a new user message, after one of a few
+system prompts shared by every conversation. It writes Mooncake-format ``hash_ids`` (one id per
+512-token block; a block wholly inside the previous turn's prompt keeps its id, a system
+prompt's full blocks have the same ids in every conversation), so prefix caching has something
+to find. Answer lengths are the Azure conversation lognormal below; the other figures (turns per
+conversation, think time, message and system prompt lengths) are assumptions stated in
+``MULTITURN``, not fits.
 """
 
 from __future__ import annotations
@@ -85,6 +95,90 @@ SYNTH_PRESETS: dict[str, SynthPreset] = {
 }
 
 
+@dataclass(frozen=True)
+class MultiTurnSettings:
+    conversation_rate_qps: float = 1.0  # new conversations per second (Poisson)
+    mean_turns: float = 4.0  # turns per conversation: geometric, at most max_turns
+    max_turns: int = 20
+    mean_think_s: float = 20.0  # gap between a turn's arrival and the next (exponential)
+    num_system_prompts: int = 4
+    system_tokens: tuple[float, float, int, int] = (1200, 3000, 100, 8000)  # median, p90, min, max
+    user_tokens: tuple[float, float, int, int] = (150, 600, 5, 4000)
+    output_tokens: tuple[float, float, int, int] = (129, 424, 7, 1000)  # Azure conversation
+    duration_s: float = 600.0
+    max_context_tokens: int = 32768  # a conversation ends before a turn would exceed it
+    block_tokens: int = 512  # Mooncake's hash_ids block
+
+
+MULTITURN = MultiTurnSettings()
+MULTITURN_DESCRIPTION = (
+    "multi-turn chat: 1 conversation/s, ~4 turns 20 s apart, each turn resending the conversation "
+    "after one of 4 shared system prompts; Mooncake hash_ids; 10 min"
+)
+
+
+def _lognormal_tokens(rng: np.random.Generator, spec: tuple[float, float, int, int], n: int | None = None):
+    median, p90, lo, hi = spec
+    sigma = np.log(p90 / median) / 1.2815515655446004  # z of the 90th percentile
+    x = np.clip(np.rint(rng.lognormal(np.log(median), sigma, size=n)), lo, hi)
+    return x.astype(np.int64) if n is not None else int(x)
+
+
+def multi_turn_chat(
+    seed: int, settings: MultiTurnSettings = MULTITURN, duration_s: float | None = None
+) -> RequestTrace:
+    """Conversations whose turns share prefixes (module docstring), in arrival order."""
+    from pagedweight.workload.traces import RequestTrace
+
+    rng = np.random.default_rng(seed)
+    st = settings
+    horizon_s = st.duration_s if duration_s is None else duration_s
+    bt = st.block_tokens
+    next_id = 0
+
+    def new_ids(n: int) -> list[int]:
+        nonlocal next_id
+        next_id += n
+        return list(range(next_id - n, next_id))
+
+    system_len = _lognormal_tokens(rng, st.system_tokens, st.num_system_prompts)
+    system_ids = [new_ids(int(n) // bt) for n in system_len]
+    rows: list[tuple[float, int, int, list[int]]] = []
+    t = rng.exponential(1.0 / st.conversation_rate_qps)
+    while t < horizon_s:
+        s = int(rng.integers(0, st.num_system_prompts))
+        turns = min(int(rng.geometric(1.0 / st.mean_turns)), st.max_turns)
+        prev_len, prev_ids = int(system_len[s]), system_ids[s]  # the shared part: full blocks only
+        history, arrival = int(system_len[s]), t
+        for _ in range(turns):
+            prompt = history + _lognormal_tokens(rng, st.user_tokens)
+            output = _lognormal_tokens(rng, st.output_tokens)
+            if prompt + output > st.max_context_tokens or arrival >= horizon_s:
+                break
+            # A block wholly inside the previous prompt (or the system prompt) is the same block.
+            keep = min(prev_len // bt, len(prev_ids))
+            ids = prev_ids[:keep] + new_ids(-(-prompt // bt) - keep)
+            rows.append((arrival, prompt, output, ids))
+            prev_len, prev_ids = prompt, ids
+            history = prompt + output
+            arrival += rng.exponential(st.mean_think_s)
+        t += rng.exponential(1.0 / st.conversation_rate_qps)
+    if not rows:
+        raise ConfigError(f"multi-turn chat: no conversation starts within {horizon_s:g} s")
+    rows.sort(key=lambda r: r[0])  # stable: a conversation's turns keep their order
+    arrival_s = np.array([r[0] for r in rows])
+    hash_ids = np.empty(len(rows), dtype=object)
+    for i, r in enumerate(rows):
+        hash_ids[i] = np.asarray(r[3], dtype=np.int64)
+    return RequestTrace(
+        arrival_s=np.round((arrival_s - arrival_s[0]) * 1000) / 1000,  # whole ms, as the file keeps
+        prompt_tokens=np.array([r[1] for r in rows], dtype=np.int64),
+        output_tokens=np.array([r[2] for r in rows], dtype=np.int64),
+        source=f"synth:multiturn:seed={seed}",
+        hash_ids=hash_ids,
+    )
+
+
 def synthesize(
     kind: str,
     seed: int,
@@ -97,8 +191,12 @@ def synthesize(
     """Generate the preset ``kind`` with optional overrides; the same seed gives the same trace."""
     from pagedweight.workload.build import build_workload  # pandas-backed; kept out of the CLI's start-up
 
+    if kind == "multiturn":
+        if num_requests is not None or rate_qps is not None or cv is not None:
+            raise ConfigError("kind multiturn takes only --duration-s among the overrides")
+        return multi_turn_chat(seed, duration_s=duration_s)
     if kind not in SYNTH_PRESETS:
-        raise ConfigError(f"kind(={kind!r}) must be one of {', '.join(SYNTH_PRESETS)}")
+        raise ConfigError(f"kind(={kind!r}) must be one of {', '.join([*SYNTH_PRESETS, 'multiturn'])}")
     preset = SYNTH_PRESETS[kind]
     data = preset.workload.model_dump()
     if duration_s is not None or num_requests is not None:

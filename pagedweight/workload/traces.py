@@ -5,7 +5,8 @@ Formats (the columns each loader reads; other columns are ignored):
 - ``azure``: Azure LLM inference CSV (Patel et al., Splitwise, ISCA 2024):
   ``TIMESTAMP`` (``YYYY-MM-DD HH:MM:SS.fffffff``), ``ContextTokens``, ``GeneratedTokens``.
 - ``mooncake``: Mooncake JSONL (Qin et al., FAST 2025): ``timestamp`` (ms), ``input_length``,
-  ``output_length`` (``hash_ids`` is not needed).
+  ``output_length``, and, when present, ``hash_ids`` (one id per 512-token prompt block; equal
+  ids mean a reusable prefix block), which prefix caching uses (``pagedweight.core.prefix``).
 - ``burstgpt``: BurstGPT CSV (Wang et al., 2024): ``Timestamp`` (s), ``Model``, ``Request tokens``,
   ``Response tokens``; a row with zero response tokens is a failed request.
 - ``sharegpt``: ShareGPT-style lengths CSV without timestamps: ``num_prefill_tokens``,
@@ -56,6 +57,9 @@ class RequestTrace:
     output_tokens: np.ndarray  # int64 >= 1
     source: str
     notes: list[str] = field(default_factory=list)
+    # Per request, the ids of its prompt's blocks of 512 tokens (Mooncake's ``hash_ids``), as an
+    # object array of int64 arrays; None when the trace does not say which prompts share prefixes.
+    hash_ids: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         arrival = np.asarray(self.arrival_s, dtype=np.float64)
@@ -74,6 +78,19 @@ class RequestTrace:
             arr = arr.copy() if arr is getattr(self, name) else arr
             arr.setflags(write=False)
             object.__setattr__(self, name, arr)
+        if self.hash_ids is not None and len(self.hash_ids) != len(arrival):
+            raise ConfigError(f"hash_ids has {len(self.hash_ids)} entries for {len(arrival)} requests")
+
+    def select(self, rows, note: str | None = None, **changes) -> RequestTrace:
+        """The requests at ``rows`` (an index array, mask or slice), every per-request array alike."""
+        hash_ids = None if self.hash_ids is None else self.hash_ids[rows]
+        picked = {
+            "arrival_s": self.arrival_s[rows],
+            "prompt_tokens": self.prompt_tokens[rows],
+            "output_tokens": self.output_tokens[rows],
+            "hash_ids": hash_ids,
+        }
+        return self.with_changes(note, **(picked | changes))
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -235,7 +252,24 @@ def load_mooncake(path: str | Path, time_unit: str = "ms", sort: bool = False) -
     t.require(["timestamp", "input_length", "output_length"])
     arrival_s = t.times("timestamp", _unit(time_unit))
     prompt, output = t.counts("input_length"), t.counts("output_length")
-    return _assemble(t, arrival_s, prompt, output, "mooncake", time_column="timestamp", sort=sort)
+    trace = _assemble(t, arrival_s, prompt, output, "mooncake", time_column="timestamp", sort=sort)
+    if "hash_ids" not in t.df.columns:
+        return trace
+    hash_ids = _hash_ids(t)
+    if sort:
+        hash_ids = hash_ids[np.argsort(arrival_s, kind="stable")]
+    return dataclasses.replace(trace, hash_ids=hash_ids)
+
+
+def _hash_ids(t: _Table) -> np.ndarray:
+    """The ``hash_ids`` column as an object array of int64 arrays; a row without a list of whole
+    numbers is an error naming its line."""
+    out = np.empty(len(t.df), dtype=object)
+    for row, ids in enumerate(t.df["hash_ids"].tolist()):
+        if not isinstance(ids, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
+            raise t.fail(row, "hash_ids", "expected a list of whole numbers (one id per 512-token block)")
+        out[row] = np.asarray(ids, dtype=np.int64)
+    return out
 
 
 def load_burstgpt(
@@ -363,11 +397,14 @@ def _assemble(
 
 
 def write_jsonl(trace: RequestTrace, path: str | Path) -> None:
-    """Write Mooncake-format JSONL (``timestamp`` in integer ms, ``input_length``, ``output_length``)
-    that ``load_mooncake`` reads back; rounding to 1 ms is the only loss."""
+    """Write Mooncake-format JSONL (``timestamp`` in integer ms, ``input_length``, ``output_length``,
+    and ``hash_ids`` when the trace has them) that ``load_mooncake`` reads back; rounding to 1 ms
+    is the only loss."""
     ms = np.round(trace.arrival_s * 1000).astype(np.int64)
     lines = [
         f'{{"timestamp": {t}, "input_length": {p}, "output_length": {o}}}'
         for t, p, o in zip(ms.tolist(), trace.prompt_tokens.tolist(), trace.output_tokens.tolist(), strict=True)
     ]
+    if trace.hash_ids is not None:  # Mooncake's prefix block ids, after the lengths as in its files
+        lines = [f'{line[:-1]}, "hash_ids": {ids.tolist()}}}' for line, ids in zip(lines, trace.hash_ids, strict=True)]
     Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser, budget_default: str | None = None)
     p.add_argument("--max-num-batched-tokens", type=int,
                    help=f"tokens per step (default: {SchedulerConfig.max_num_batched_tokens})")  # fmt: skip
     p.add_argument("--max-model-len", type=int, help="context limit (default: the checkpoint's)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of cached prompt prefixes "
+                   f"(default: {'on' if CoreConfig.prefix_caching else 'off'})")  # fmt: skip
 
 
 def core_config(args: argparse.Namespace) -> CoreConfig:
@@ -30,6 +33,8 @@ def core_config(args: argparse.Namespace) -> CoreConfig:
     core = {"page_bytes": parse_bytes(args.page_bytes) if args.page_bytes else None}
     if args.kv_block_tokens is not None:
         core["kv_block_tokens"] = args.kv_block_tokens
+    if args.prefix_caching is not None:
+        core["prefix_caching"] = args.prefix_caching
     return CoreConfig(
         budget_bytes=parse_bytes(args.mem_budget),
         scheduler=SchedulerConfig(**{k: v for k, v in limits.items() if v is not None}),

@@ -111,7 +111,7 @@ def _run_scenario(args: argparse.Namespace) -> int:
 # Options a scenario sets itself.
 _SET_BY_SCENARIO = (
     "trace", "mem_budget", "like", "importance", "page_bytes", "kv_block_tokens", "max_num_seqs",
-    "max_num_batched_tokens", "max_model_len",
+    "max_num_batched_tokens", "max_model_len", "prefix_caching",
 )  # fmt: skip
 
 

@@ -52,10 +52,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cell(value, spec: str) -> str:
+    from pagedweight.results.report_data import fmt
+
+    if isinstance(value, list):  # the precision ladder, most precise first
+        return ">".join(map(str, value))
+    return fmt(value, spec)
+
+
 def format_table(summary: dict) -> str:
     """One row per policy; each column as wide as its widest cell, two spaces apart, so values
     of any magnitude (a TTFT of 1e6 ms and more) stay apart."""
-    from pagedweight.results.report_data import fmt
 
     cols = [
         ("output_throughput", "out tok/s", "{:.1f}"),
@@ -64,7 +71,11 @@ def format_table(summary: dict) -> str:
         ("mean_tpot_ms", "TPOT ms", "{:.2f}"),
         ("num_preemptions", "preempt", "{:.0f}"),
         ("mean_quality_proxy", "quality", "{:.4f}"),
+        ("prefill_recompute_ratio", "prefill/prompt", "{:.2f}"),
+        ("transitions_per_request", "trans/req", "{:.2f}"),
+        ("prefix_cache_hit_rate", "prefix hit", "{:.1%}"),
         ("completed", "done", "{:.0f}"),
+        ("precision_ladder", "precisions", "{}"),
     ]
     rows = [["policy", *(h for _, h, _ in cols)]]
     errors = {}
@@ -73,7 +84,7 @@ def format_table(summary: dict) -> str:
             errors[len(rows)] = s["error"]
             rows.append([name])
         else:
-            rows.append([name, *(fmt(s.get(k), spec) for k, _, spec in cols)])
+            rows.append([name, *(_cell(s.get(k), spec) for k, _, spec in cols)])
     widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(rows[0]))]
     lines = []
     for n, r in enumerate(rows):

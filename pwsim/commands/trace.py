@@ -19,7 +19,7 @@ from pagedweight.errors import TraceError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pagedweight.workload.synth import SYNTH_PRESETS
+    from pagedweight.workload.synth import MULTITURN_DESCRIPTION, SYNTH_PRESETS
 
     subs = p.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
     s = subs.add_parser("stats", help="print the statistics of a trace file")
@@ -33,8 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--sort", action="store_true", help="accept timestamps out of order: sort by time (noted)")
 
     y = subs.add_parser("synth", help="generate a synthetic trace from a fitted preset")
-    kinds = "; ".join(f"{k}: {v.description}" for k, v in SYNTH_PRESETS.items())
-    y.add_argument("--kind", required=True, choices=sorted(SYNTH_PRESETS), help=kinds)
+    kinds = "; ".join(
+        [*(f"{k}: {v.description}" for k, v in SYNTH_PRESETS.items()), f"multiturn: {MULTITURN_DESCRIPTION}"]
+    )
+    y.add_argument("--kind", required=True, choices=sorted([*SYNTH_PRESETS, "multiturn"]), help=kinds)
     y.add_argument("--out", required=True, type=Path, help="output JSONL file")
     y.add_argument("--seed", type=int, default=0)
     y.add_argument("--duration-s", type=float, help="override the preset's duration")

@@ -15,6 +15,7 @@ import pytest
 
 from pagedweight.config.latency import ConstantLatencyConfig
 from pagedweight.core.runtime import CoreConfig
+from pagedweight.core.scheduler import SchedulerConfig
 from pagedweight.core.spec import load_gpu
 from pagedweight.policy.controller import DOWNGRADE, UPGRADE, Controller, ControllerSettings
 from pagedweight.policy.importance import synthetic_table
@@ -72,7 +73,11 @@ def engine_run():
     # Room for 60% of the experts' bf16 pages and 60 KV pages: at their peak the requests want
     # 140 KV pages, more than even int4 experts leave, so there are downgrades and preemptions.
     budget = (usage["pinned"] + int(0.6 * usage["weight:bf16"]) + 60) * page_bytes
-    cfg = EngineConfig(CoreConfig(budget_bytes=budget, controller=CONTROLLER), "pagedweight", dtype="float32")
+    # Promises of only 4 outputs at admission: the decodes outgrow them, so preemption happens
+    # under forecast admission too.
+    sched = SchedulerConfig(admission_reserve_tokens=4)
+    core_cfg = CoreConfig(budget_bytes=budget, controller=CONTROLLER, scheduler=sched)
+    cfg = EngineConfig(core_cfg, "pagedweight", dtype="float32")
     table = synthetic_table(spec, ("bf16", "fp8", "int8", "int4"))
     eng = Engine(MODEL, cfg, table, FixedStepClock(STEP_S))
     steps: list[dict] = []
@@ -115,6 +120,10 @@ def test_simulator_and_engine_decide_alike_step_by_step(engine_run):
     assert transitions(eng.core) == transitions(sim.core)
     assert np.array_equal(eng.core.page_table.precision_ids, sim.core.page_table.precision_ids)
     assert [r.num_preemptions for r in eng.records] == [r.num_preemptions for r in sim.requests]
+    # Prefix caching (on by default): the engine keys blocks by token ids, the simulator, without
+    # a trace's hash_ids, by request; a preempted request finds its own blocks again in both.
+    assert eng.core.scheduler.prefix_hit_tokens == sim.core.scheduler.prefix_hit_tokens > 0
+    assert eng.core.kv.num_evicted_blocks == sim.core.kv.num_evicted_blocks
 
 
 def test_a_simulator_blind_to_routing_decides_otherwise(engine_run, monkeypatch):

@@ -43,7 +43,9 @@ SCENARIO = {
         "budget": "40 MiB",
         "page_bytes": "64 KiB",
         "kv_block_tokens": 8,
+        "prefix_caching": False,
         "precisions": ["bf16", "int8", "int4"],
+        "paper_greedy_precisions": ["bf16", "int4"],
     },
     "workload": {
         "kind": "synthetic",
@@ -51,7 +53,13 @@ SCENARIO = {
         "lengths": {"kind": "fixed", "prompt_tokens": 12, "output_tokens": 3},
         "num_requests": 2,
     },
-    "scheduler": {"max_num_batched_tokens": 1000, "max_num_seqs": 7, "max_model_len": 1500},
+    "scheduler": {
+        "max_num_batched_tokens": 1000,
+        "max_num_seqs": 7,
+        "max_model_len": 1500,
+        "admission": "greedy",
+        "admission_reserve_tokens": 77,
+    },
     "latency": {"kind": "constant", "step_time_s": 0.02},
     "routing": {"kind": "zipf", "alpha": 1.5},
     "importance": {"kind": "synthetic", "seed": 5, "zipf_exponent": 1.1},
@@ -64,6 +72,7 @@ SCENARIO = {
         "min_dwell_s": 0.7,
         "plan_interval_s": 0.01,
         "rescale_interval_s": 3.0,
+        "latency_margin": 0.25,
         "static_mixed_fraction": 0.7,
     },
     "policies": POLICIES,
@@ -146,10 +155,20 @@ CHECKS = {
     "memory.kv_block_tokens": both(
         lambda r: core(r, "sim").kv.block_tokens, lambda r: core(r, "engine").kv.block_tokens, lambda r: 8
     ),
+    "memory.prefix_caching": both(
+        lambda r: core(r, "sim").scheduler.prefix_caching,
+        lambda r: core(r, "engine").scheduler.prefix_caching,
+        lambda r: False,
+    ),
     "memory.precisions": both(
         lambda r: core(r, "sim").controller.table.ladder,
         lambda r: core(r, "engine").controller.table.ladder,
         lambda r: tuple(SCENARIO["memory"]["precisions"]),
+    ),
+    "memory.paper_greedy_precisions": both(
+        lambda r: core(r, "sim").config.paper_greedy_precisions,
+        lambda r: core(r, "engine").config.paper_greedy_precisions,
+        lambda r: tuple(SCENARIO["memory"]["paper_greedy_precisions"]),
     ),
     "workload": both(
         lambda r: r.meta["pwsim"]["trace"], lambda r: r.meta["pwgpu"]["trace"], lambda r: trace_meta(r.run.trace)
@@ -169,6 +188,14 @@ CHECKS = {
         lambda r: core(r, "engine").scheduler.config.max_model_len,
         lambda r: 1500,
     ),
+    **{
+        f"scheduler.{k}": both(
+            lambda r, k=k: getattr(core(r, "sim").scheduler.config, k),
+            lambda r, k=k: getattr(core(r, "engine").scheduler.config, k),
+            lambda r, k=k: SCENARIO["scheduler"][k],
+        )
+        for k in ("admission", "admission_reserve_tokens")
+    },
     "latency": sim_only(
         lambda r: r.meta["pwsim"]["latency_model"], lambda r: "constant 20 ms", "the engine's steps take what they take"
     ),

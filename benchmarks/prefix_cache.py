@@ -1,0 +1,90 @@
+"""Prefix caching on vs off in the simulator: hit rate, prefill tokens saved, evictions, peak KV
+held by requests, preemptions and TTFT per policy per scenario, and the simulator's speed (CPU
+seconds of the same runs, on and off side by side, so machine load affects both alike).
+
+Scenarios: the shipped ones named by --scenarios, and ``mooncake``: scenarios/longctx.yaml on
+../shared/traces/mooncake_synthetic.jsonl (Mooncake's own hash_ids; skipped when absent), its
+first --mooncake-requests requests.
+
+    python benchmarks/prefix_cache.py [--scenarios chat,longctx,burst,multiturn] [--policies a,b]
+                                      [--mooncake-requests 1000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+SHARED = next(
+    (p for p in (ROOT.parent / "shared", ROOT.parent.parent / "shared") if p.is_dir()), ROOT.parent / "shared"
+)
+MOONCAKE = SHARED / "traces" / "mooncake_synthetic.jsonl"
+
+
+def run_one(path: Path, overrides: list[str], policy: str) -> dict:
+    from pagedweight.config.run import scenario_run
+    from pagedweight.config.scenario import load_scenario
+    from pagedweight.results.writer import policy_summary
+    from pwsim.latency import build_latency_model
+    from pwsim.run import scenario_engine
+
+    loaded = load_scenario(path, overrides)
+    run = scenario_run(loaded, [policy])
+    latency = build_latency_model(loaded.scenario.latency, loaded.model, loaded.gpu, loaded.base_dir)
+    engine = scenario_engine(run, policy, latency, loaded.scenario.routing)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    engine.run()
+    cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
+    s = policy_summary(engine.requests, engine.core, run.slo, wall_s, engine.bytes_h2d)
+    keys = ("prefix_cache_hit_rate", "prefill_tokens_saved", "num_evicted_blocks", "peak_kv_bytes")
+    keys += ("peak_kv_cached_bytes", "num_preemptions", "mean_ttft_ms", "num_downgrades", "completed", "num_steps")
+    return {k: s[k] for k in keys} | {"cpu_s": cpu_s, "wall_s": wall_s}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenarios", default="chat,longctx,burst,multiturn")
+    ap.add_argument("--policies", default="static-fp16,static-int4,kv-swap,paper-greedy,pagedweight")
+    ap.add_argument("--mooncake-requests", type=int, default=1000)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    cases = [(name, ROOT / "scenarios" / f"{name}.yaml", []) for name in args.scenarios.split(",") if name]
+    if not MOONCAKE.is_file():
+        print(f"note: {MOONCAKE} absent; the mooncake case is skipped")
+    elif args.mooncake_requests > 0:
+        mooncake = [f"workload.path={MOONCAKE}", f"workload.max_requests={args.mooncake_requests}"]
+        cases.append(("mooncake", ROOT / "scenarios" / "longctx.yaml", mooncake))
+    rows = []
+    print("| scenario | policy | caching | hit rate | prefill tokens saved | evicted blocks | peak KV GiB "
+          "| peak cached GiB | preemptions | mean TTFT ms | downgrades | CPU s |")  # fmt: skip
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, path, overrides in cases:
+        for policy in args.policies.split(","):
+            for caching in (True, False):
+                r = run_one(path, [*overrides, f"memory.prefix_caching={str(caching).lower()}"], policy)
+                rows.append({"scenario": name, "policy": policy, "caching": caching, **r})
+                cells = [name, policy, "on" if caching else "off", f"{r['prefix_cache_hit_rate']:.1%}"]
+                cells += [f"{r['prefill_tokens_saved']:,}", f"{r['num_evicted_blocks']:,}"]
+                cells += [f"{r['peak_kv_bytes'] / 2**30:.1f}", f"{r['peak_kv_cached_bytes'] / 2**30:.1f}"]
+                cells += [str(r["num_preemptions"]), f"{r['mean_ttft_ms']:.0f}", str(r["num_downgrades"])]
+                print("| " + " | ".join([*cells, f"{r['cpu_s']:.2f}"]) + " |", flush=True)
+    print("\nSimulator CPU seconds, caching on / off (same runs):")
+    for name, _, _ in cases:
+        on = sum(r["cpu_s"] for r in rows if r["scenario"] == name and r["caching"])
+        off = sum(r["cpu_s"] for r in rows if r["scenario"] == name and not r["caching"])
+        steps_on = sum(r["num_steps"] for r in rows if r["scenario"] == name and r["caching"])
+        steps_off = sum(r["num_steps"] for r in rows if r["scenario"] == name and not r["caching"])
+        print(f"  {name:10s} on {on:7.2f} s ({steps_on:,} steps)  off {off:7.2f} s ({steps_off:,} steps)  "
+              f"ratio {on / off:.2f}x  per step {on / steps_on / (off / steps_off):.2f}x")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""Content keys of KV blocks for prefix caching: a hash chain, so that equal keys mean equal
+prompts up to the end of the block.
+
+Two sources, one kind of key (``KvBlockAllocator`` only compares them):
+
+- Token ids (the engine): the key of block j hashes (key of block j-1, the block's token ids).
+  Python's hash of a tuple of ints is 64 bits and the same in every process; two different
+  prefixes share a key with probability ~n^2 / 2^64 for n blocks cached (vLLM's default hash
+  makes the same trade).
+- A trace's block ids (the simulator, which has no tokens): Mooncake-format traces give
+  ``hash_ids``, one id per block of ``trace_block_tokens`` (512) prompt tokens, equal ids meaning
+  a reusable prefix block. KV blocks are ``kv_block_tokens`` long (16 by default), so several KV
+  blocks map to one trace block. KV block j (tokens ``[j*B, (j+1)*B)``) gets the key of the
+  trace block holding its last token, t = ((j+1)*B - 1) // 512, and its own index j: the pair
+  stands for the prompt's tokens up to the end of block j, because trace block t's chain covers
+  every trace block before it. The chain is built here from the ids in order (trace block t's
+  chain = (chain of t-1, id t), interned as a small integer), so equal keys need equal ids for
+  every earlier block even if a trace's ids were not chained themselves. A KV block that
+  straddles two trace blocks is keyed by the later one, which also covers the earlier. Only KV
+  blocks that lie wholly within the prompt and within the trace's ids get a key; the rest of a
+  prompt is never shared.
+- A trace without ``hash_ids`` says nothing about shared prefixes, so requests share nothing:
+  each request's blocks get keys of their own (``own_block_keys``), negative so that they never
+  equal a trace key. They matter only to the request itself: preempted by recompute, it finds
+  its prompt blocks again if they were not evicted meanwhile, as it would in a real engine (whose
+  token keys find them too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+TRACE_BLOCK_TOKENS = 512  # Mooncake's hash_ids: one id per 512 prompt tokens
+_INDEX_BITS = 24  # a KV block's index within its prompt: up to 16M blocks
+
+
+def token_block_keys(token_ids: Sequence[int], block_tokens: int) -> list[int]:
+    """Keys of the full ``block_tokens``-token blocks of ``token_ids``."""
+    keys: list[int] = []
+    prev = -1
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        prev = hash((prev, tuple(token_ids[start : start + block_tokens])))
+        keys.append(prev)
+    return keys
+
+
+class TraceBlockKeys:
+    """The KV block keys of every request of a trace with per-request block ids."""
+
+    def __init__(self, hash_ids: Sequence[Sequence[int]], trace_block_tokens: int = TRACE_BLOCK_TOKENS):
+        self.trace_block_tokens = trace_block_tokens
+        interned: dict[tuple[int, int], int] = {}
+        self._chains: list[np.ndarray] = []
+        for ids in hash_ids:
+            chain = np.empty(len(ids), dtype=np.int64)
+            prev = -1
+            for t, block_id in enumerate(ids):
+                prev = interned.setdefault((prev, int(block_id)), len(interned))
+                chain[t] = prev
+            self._chains.append(chain)
+
+    def keys(self, request: int, prompt_tokens: int, kv_block_tokens: int) -> list[int]:
+        """Keys of request ``request``'s full KV blocks, as far as its trace blocks reach."""
+        chain = self._chains[request]
+        covered = min(prompt_tokens, len(chain) * self.trace_block_tokens)
+        n = covered // kv_block_tokens
+        if n == 0:
+            return []
+        j = np.arange(n, dtype=np.int64)
+        t = ((j + 1) * kv_block_tokens - 1) // self.trace_block_tokens
+        return ((chain[t] << _INDEX_BITS) | j).tolist()
+
+
+def own_block_keys(request: int, prompt_tokens: int, kv_block_tokens: int) -> range:
+    """Keys of request ``request``'s full prompt blocks that no other request has."""
+    base = -((request + 1) << _INDEX_BITS)
+    return range(base, base - prompt_tokens // kv_block_tokens, -1)

@@ -1,0 +1,399 @@
+"""The policy scoreboard: every policy on a suite of cells (scenario variants) at several loads,
+and each policy's maximum sustainable load per cell, found by bisection.
+
+A suite file (``scenarios/bench_*.yaml``)::
+
+    name: bench_small
+    policies: [static-fp16, static-int4, paper-greedy, pagedweight]
+    set: {workload.duration_s: 60}          # every run of every cell
+    cells:
+      - {name: chat, scenario: chat.yaml}
+      - {name: storm, scenario: storm.yaml, set: {memory.budget: 110 GiB}}
+    loads: [1.0, 2.0]                       # multiples of each cell's workload.rate_scale
+    sustainable: {min_good_fraction: 0.9, low: 0.25, high: 4.0, rounds: 4}
+
+A load is *sustainable* for a policy when at least ``min_good_fraction`` of the requests meet
+the scenario's SLOs; the bisection (geometric, ``rounds`` steps between ``low`` and ``high``)
+runs one-policy probes. Every run is a sweep cell (``pwsim.sweep.run_cell``) in its own
+directory named by its overrides, written under a temporary name and renamed when complete: a
+re-run skips finished runs, so the suite is resumable, and it runs on the same executor as
+``pwsim sweep`` (local processes or Ray).
+
+Outputs in the suite directory: ``bench.csv`` (cell, load, policy and its figures),
+``sustainable.csv`` (cell, policy, largest sustainable load and its arrival rate), ``bench.md``
+(both as Markdown tables, with each policy's margin over the best other policy) and
+``report.html`` (heat maps of those margins).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pagedweight.config.scenario import load_scenario
+from pagedweight.errors import PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
+from pagedweight.results.report_data import policy_metrics, read_summary
+from pagedweight.results.writer import atomic_write_csv, atomic_write_text
+from pwsim.executor import Display, Job, auto_display, run_jobs
+from pwsim.sweep import EXECUTORS, _override, _run_ray, _slug, is_finished, run_cell
+
+# The scoreboard's columns, from each run's summary.json.
+BENCH_METRICS = (
+    "request_goodput",
+    "output_throughput",
+    "p99_ttft_ms",
+    "p99_tpot_ms",
+    "num_preemptions",
+    "prefill_recompute_ratio",
+    "transitions_per_request",
+    "mean_quality_proxy",
+    "max_quality_proxy",
+)
+
+
+class BenchError(PagedWeightError):
+    """A suite file is malformed, or one of its runs is not a valid scenario."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CellSpec(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.+-]+$")
+    scenario: str = Field(min_length=1)
+    set: dict[str, Any] = {}
+
+
+class Sustainable(_Strict):
+    min_good_fraction: float = Field(default=0.9, gt=0, le=1)
+    low: float = Field(default=0.25, gt=0)
+    high: float = Field(default=4.0, gt=0)
+    rounds: int = Field(default=4, ge=0, le=12)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Sustainable:
+        if self.low >= self.high:
+            raise ValueError(f"low(={self.low}) must be < high(={self.high})")
+        return self
+
+
+class SuiteSpec(_Strict):
+    name: str = Field(min_length=1)
+    description: str = ""
+    policies: list[str] = Field(min_length=1)
+    set: dict[str, Any] = {}
+    cells: list[CellSpec] = Field(min_length=1)
+    loads: list[float] = Field(default=[1.0], min_length=1)
+    sustainable: Sustainable | None = None
+
+    @model_validator(mode="after")
+    def _unique(self) -> SuiteSpec:
+        names = [c.name for c in self.cells]
+        if len(set(names)) != len(names):
+            raise ValueError("cell names must be unique")
+        if any(x <= 0 for x in self.loads):
+            raise ValueError("loads must be > 0")
+        return self
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One run: a cell at a load, for some policies."""
+
+    cell: str
+    load: float
+    policies: tuple[str, ...]
+    scenario_path: str
+    overrides: tuple[str, ...]
+
+    @property
+    def dirname(self) -> str:
+        digest = hashlib.sha1("\n".join((self.scenario_path, *self.overrides)).encode()).hexdigest()[:8]
+        who = "all" if len(self.policies) > 1 else _slug(self.policies[0])
+        return f"{self.cell}_load-{self.load:.4g}_{who}_{digest}"
+
+
+@dataclass(frozen=True)
+class Suite:
+    spec: SuiteSpec
+    source: Path
+    scenarios: dict[str, Path]  # cell name -> scenario file
+    base_rate_scale: dict[str, float]  # cell name -> its workload.rate_scale
+
+    def probe(self, cell: str, load: float, policies: tuple[str, ...]) -> Probe:
+        spec = next(c for c in self.spec.cells if c.name == cell)
+        rate = self.base_rate_scale[cell] * load
+        overrides = (
+            *(_override(k, v) for k, v in self.spec.set.items()),
+            *(_override(k, v) for k, v in spec.set.items()),
+            _override("policies", list(policies)),
+            _override("workload.rate_scale", rate),
+        )
+        return Probe(cell, load, policies, str(self.scenarios[cell]), overrides)
+
+
+def load_suite(path: str | Path) -> Suite:
+    """Read and check a suite; every cell is validated as a scenario before anything runs."""
+    path = Path(path)
+    src = str(path)
+    if not path.is_file():
+        raise BenchError(f"suite file {src} does not exist")
+    raw = read_yaml_mapping(path, BenchError, list(SuiteSpec.model_fields))
+    try:
+        spec = SuiteSpec.model_validate(raw)
+    except ValidationError as e:
+        raise BenchError(format_validation_error(e, src, SuiteSpec, raw)) from None
+    scenarios, rates = {}, {}
+    for cell in spec.cells:
+        scenario = Path(cell.scenario)
+        scenario = scenario if scenario.is_absolute() else (path.parent / scenario).resolve()
+        sets = [_override(k, v) for k, v in (*spec.set.items(), *cell.set.items())]
+        sets.append(_override("policies", spec.policies))
+        try:
+            loaded = load_scenario(scenario, sets)
+        except ScenarioError as e:
+            raise BenchError(f"{src}: cell {cell.name}: {e}") from None
+        rate = getattr(loaded.scenario.workload, "rate_scale", None)
+        if rate is None:
+            raise BenchError(
+                f"{src}: cell {cell.name}: its workload ({loaded.scenario.workload.kind}) has no rate_scale; "
+                "the bench scales load through workload.rate_scale (trace workloads)"
+            )
+        scenarios[cell.name], rates[cell.name] = scenario, float(rate)
+    return Suite(spec, path, scenarios, rates)
+
+
+def good_fraction(summary_entry: dict) -> float:
+    """Share of the run's requests that finished within every SLO."""
+    n = summary_entry.get("num_requests") or 0
+    if not n or "error" in summary_entry:
+        return 0.0
+    return summary_entry["request_goodput"] * summary_entry["duration_s"] / n
+
+
+class _Runner:
+    def __init__(self, out_dir: Path, executor: str, workers: int | None, address: str | None, log, display):
+        self.out_dir, self.executor, self.workers, self.address = out_dir, executor, workers, address
+        self.log, self.display = log, display
+        self.ran: list[str] = []
+        self.skipped: list[str] = []
+
+    def run(self, probes: list[Probe]) -> None:
+        """Run every probe not finished yet (each once, even if listed twice)."""
+        unique = {p.dirname: p for p in probes}
+        todo = [p for name, p in unique.items() if not is_finished(self.out_dir / name)]
+        self.skipped += [name for name in unique if unique[name] not in todo]
+        if not todo:
+            return
+        tasks = [
+            (p.scenario_path, list(p.overrides), str(self.out_dir / p.dirname), {"cell": p.cell, "load": p.load}, False)
+            for p in todo
+        ]
+        workers = self.workers or max(1, min(len(todo), os.cpu_count() or 1))
+
+        def finished(_i: int, r: dict) -> str:
+            self.ran.append(r["cell"])
+            return f"[{len(self.ran)}] {r['cell']} ({r['wall_s']:.1f} s)"
+
+        if self.executor == "ray":
+            for r in _run_ray(tasks, self.address, workers):
+                self.log(finished(0, r))
+        else:
+            jobs = [Job(p.dirname, run_cell, t) for p, t in zip(todo, tasks, strict=True)]
+            run_jobs(jobs, workers, self.display or auto_display(True, self.log), on_result=finished)
+
+    def offered_rate(self, probe: Probe) -> float:
+        """Requests per second the probe's trace offered (arrivals over their span)."""
+        arrival_s = pd.read_csv(self.out_dir / probe.dirname / "requests.csv", usecols=["arrival_s"])["arrival_s"]
+        span_s = float(arrival_s.max() - arrival_s.min()) if len(arrival_s) > 1 else 0.0
+        return len(arrival_s) / span_s if span_s > 0 else 0.0
+
+    def summary(self, probe: Probe) -> dict:
+        return read_summary(self.out_dir / probe.dirname)
+
+
+def run_bench(
+    suite: Suite,
+    out_dir: str | Path,
+    executor: str = "local",
+    workers: int | None = None,
+    address: str | None = None,
+    log=print,
+    display: Display | None = None,
+) -> dict:
+    """Run the suite's grid, then the bisection rounds; write the tables and the report."""
+    if executor not in EXECUTORS:
+        raise BenchError(f"--executor {executor!r} unknown; allowed: {', '.join(EXECUTORS)}")
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob(".*.tmp-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)  # a run interrupted mid-way
+    spec = suite.spec
+    runner = _Runner(out_dir, executor, workers, address, log, display)
+    policies = tuple(spec.policies)
+    grid = [suite.probe(c.name, load, policies) for c in spec.cells for load in spec.loads]
+    log(f"{spec.name}: {len(spec.cells)} cells x {len(spec.loads)} loads x {len(policies)} policies")
+    runner.run(grid)
+    rows = []
+    for probe in grid:
+        summary = runner.summary(probe)
+        for policy, entry in summary["policies"].items():
+            m = policy_metrics(entry)
+            row = {"cell": probe.cell, "load": probe.load, "policy": policy, "error": entry.get("error", "")}
+            row |= {k: m.get(k) for k in BENCH_METRICS}
+            row["good_fraction"] = good_fraction(entry)
+            rows.append(row)
+    table = pd.DataFrame(rows)
+    sustainable = _bisect(suite, runner, log) if spec.sustainable else pd.DataFrame()
+    atomic_write_csv(table, out_dir / "bench.csv")
+    if len(sustainable):
+        atomic_write_csv(sustainable, out_dir / "sustainable.csv")
+    md = bench_markdown(spec, table, sustainable)
+    atomic_write_text(out_dir / "bench.md", md)
+    meta = {"name": spec.name, "description": spec.description, "suite_file": str(suite.source)}
+    atomic_write_text(out_dir / "bench.json", json.dumps(meta | {"spec": spec.model_dump()}, indent=2) + "\n")
+    write_bench_report(spec, table, sustainable, out_dir / "report.html")
+    return {"ran": runner.ran, "skipped": runner.skipped, "table": table, "sustainable": sustainable}
+
+
+def _bisect(suite: Suite, runner: _Runner, log) -> pd.DataFrame:
+    """Largest sustainable load per cell and policy: probe ``low`` and ``high`` for every pair,
+    then halve the bracket (geometrically) ``rounds`` times, every pair's probe of a round run
+    at once."""
+    s = suite.spec.sustainable
+    pairs = [(c.name, p) for c in suite.spec.cells for p in suite.spec.policies]
+
+    def ok(cell: str, policy: str, load: float) -> bool:
+        entry = runner.summary(suite.probe(cell, load, (policy,)))["policies"][policy]
+        return "error" not in entry and good_fraction(entry) >= s.min_good_fraction
+
+    runner.run([suite.probe(c, x, (p,)) for c, p in pairs for x in (s.low, s.high)])
+    bracket = {}
+    for c, p in pairs:
+        lo_ok, hi_ok = ok(c, p, s.low), ok(c, p, s.high)
+        bracket[(c, p)] = [s.low, s.high, lo_ok, hi_ok]
+    for r in range(s.rounds):
+        live = [(k, math.sqrt(v[0] * v[1])) for k, v in bracket.items() if v[2] and not v[3]]
+        if not live:
+            break
+        log(f"{suite.spec.name}: sustainable load, round {r + 1}/{s.rounds}: {len(live)} probes")
+        runner.run([suite.probe(c, mid, (p,)) for (c, p), mid in live])
+        for (c, p), mid in live:
+            if ok(c, p, mid):
+                bracket[(c, p)][0] = mid
+            else:
+                bracket[(c, p)][1] = mid
+    rows = []
+    for (c, p), (lo, hi, lo_ok, hi_ok) in bracket.items():
+        if hi_ok:
+            load, note = s.high, f">= {s.high:g} (the top of the search)"
+        elif not lo_ok:
+            load, note = 0.0, f"< {s.low:g} (below the search)"
+        else:
+            load, note = lo, f"in [{lo:.3g}, {hi:.3g})"
+        qps = runner.offered_rate(suite.probe(c, load, (p,))) if load > 0 else 0.0
+        rows.append({"cell": c, "policy": p, "max_load": load, "max_request_rate": qps, "bracket": note})
+    return pd.DataFrame(rows)
+
+
+def margins(values: pd.Series) -> pd.Series:
+    """Each policy's margin over the best *other* policy, as a fraction (+0.05: 5% better)."""
+    out = {}
+    for p, v in values.items():
+        others = values.drop(p).dropna()
+        best = others.max() if len(others) else np.nan
+        out[p] = (v - best) / best if best and np.isfinite(best) and best > 0 else np.nan
+    return pd.Series(out)
+
+
+def _md_table(df: pd.DataFrame) -> str:
+    cols = list(df.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for _, r in df.iterrows():
+        cells = []
+        for c in cols:
+            v = r[c]
+            if isinstance(v, float):
+                cells.append("-" if not np.isfinite(v) else f"{v:.4g}")
+            else:
+                cells.append(str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def bench_markdown(spec: SuiteSpec, table: pd.DataFrame, sustainable: pd.DataFrame) -> str:
+    parts = [f"# {spec.name}", "", spec.description, ""]
+    view = table.copy()
+    view["goodput_margin"] = np.nan
+    for (_cell, _load), g in view.groupby(["cell", "load"], sort=False):
+        view.loc[g.index, "goodput_margin"] = margins(g.set_index("policy")["request_goodput"]).to_numpy()
+    cols = ["cell", "load", "policy", *BENCH_METRICS, "good_fraction", "goodput_margin"]
+    parts += ["## Every cell, load and policy", "", _md_table(view[cols]), ""]
+    if len(sustainable):
+        sv = sustainable.copy()
+        sv["margin"] = np.nan
+        for _cell, g in sv.groupby("cell", sort=False):
+            sv.loc[g.index, "margin"] = margins(g.set_index("policy")["max_load"]).to_numpy()
+        parts += ["## Largest sustainable load", "", _md_table(sv), ""]
+    return "\n".join(parts)
+
+
+def write_bench_report(spec: SuiteSpec, table: pd.DataFrame, sustainable: pd.DataFrame, out_html: Path) -> None:
+    """Heat maps of each policy's margin over the best other policy: goodput per cell and load,
+    and largest sustainable load per cell."""
+    import html
+
+    from matplotlib.figure import Figure
+
+    from pagedweight.results.report import CSS, png_tag
+    from pagedweight.results.report_plots import save_png
+
+    out_html = Path(out_html)
+    figs = []
+
+    def heat(matrix: pd.DataFrame, title: str, name: str) -> None:
+        if matrix.empty:
+            return
+        fig = Figure(figsize=(1.2 * len(matrix.columns) + 3, 0.45 * len(matrix) + 1.6), layout="constrained")
+        ax = fig.add_subplot()
+        data = matrix.to_numpy(dtype=float) * 100
+        lim = max(5.0, float(np.nanmax(np.abs(data))) if np.isfinite(data).any() else 5.0)
+        im = ax.imshow(data, cmap="RdYlGn", vmin=-lim, vmax=lim, aspect="auto")
+        ax.set_xticks(range(len(matrix.columns)), matrix.columns, rotation=30, ha="right")
+        ax.set_yticks(range(len(matrix)), [str(i) for i in matrix.index])
+        for (i, j), v in np.ndenumerate(data):
+            ax.text(j, i, "-" if not np.isfinite(v) else f"{v:+.0f}%", ha="center", va="center", fontsize=8)
+        ax.set_title(title)
+        fig.colorbar(im, ax=ax, label="% over the best other policy")
+        figs.append(png_tag(save_png(fig, out_html.with_name(name)), title))
+
+    rows = {}
+    for (cell, load), g in table.groupby(["cell", "load"], sort=False):
+        rows[f"{cell} x{load:g}"] = margins(g.set_index("policy")["request_goodput"])
+    heat(pd.DataFrame(rows).T[list(spec.policies)] if rows else pd.DataFrame(), "Goodput margin", "goodput_margin.png")
+    if len(sustainable):
+        rows = {c: margins(g.set_index("policy")["max_load"]) for c, g in sustainable.groupby("cell", sort=False)}
+        heat(pd.DataFrame(rows).T[list(spec.policies)], "Largest sustainable load margin", "sustainable_margin.png")
+    body = [
+        f"<h1>{html.escape(spec.name)}</h1><p class='facts'>{html.escape(spec.description)}</p>",
+        *figs,
+        "<h2>Every cell, load and policy</h2>",
+        table.to_html(index=False, float_format=lambda v: f"{v:.4g}"),
+    ]
+    if len(sustainable):
+        body += ["<h2>Largest sustainable load</h2>", sustainable.to_html(index=False, float_format="{:.4g}".format)]
+    head = f"<!doctype html><html><head><meta charset='utf-8'><style>{CSS}</style></head>"
+    page = f"{head}<body>{''.join(body)}</body></html>"
+    atomic_write_text(out_html, page)
