@@ -122,7 +122,10 @@ def test_chat_logprobs_and_streamed_logprobs(api, reference):
                                             top_logprobs=2, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
     assert bytes(b for e in content for b in e.bytes).decode("utf-8", "replace") == tok.decode(ids)
     streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+    # The same tokens; the log-probabilities to float noise (the second request's prompt is a
+    # prefix-cache hit, so its prefill runs on fewer positions, in another order of sums).
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-4) for a, b in zip(streamed, content, strict=True))
     plain = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0,
                                            extra_body={"ignore_eos": True})  # fmt: skip
     assert plain.choices[0].logprobs is None
