@@ -158,6 +158,15 @@ def group():
         p.wait(timeout=60)
 
 
+# `pwsim` as a terminal starts it: SIGINT raising KeyboardInterrupt. A test run launched in the
+# background by a non-interactive shell (`cmd &`) inherits SIGINT ignored, and Python keeps an
+# ignored SIGINT ignored, so the CLI would (rightly) not react to the simulated Ctrl-C.
+_CLI_WITH_CTRL_C = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('pwsim.cli', run_name='__main__', alter_sys=True)"
+)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads process groups from /proc")
 @pytest.mark.parametrize("command", ["sweep", "run"])
 def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path, group, command):
@@ -172,7 +181,7 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path, group, command):
     else:
         args = ["run", str(tmp_path / "slow.yaml"), "--jobs", "2", "--out", str(out), "--no-report"]
         args += ["--set", "workload.num_requests=300000", "--set", "policies=[static-fp16, static-int4]"]
-    p = group([sys.executable, "-m", "pwsim.cli", *args])
+    p = group([sys.executable, "-c", _CLI_WITH_CTRL_C, *args])
     pgid = p.pid
     if command == "sweep":
         _wait_for(lambda: len(list(out.glob("*/summary.json"))) == 1, 300, "the quick cell")
