@@ -65,7 +65,7 @@ def test_importance_writes_a_table_pwsim_reads(table_path):
     assert not table.synthetic and "calibration" in table.source
     assert (table.dloss[:, 0] == 0).all() and (table.dloss[:, -1] > 0).all()
     details = (table_path.parent / "details.csv").read_text().splitlines()
-    assert "oracle_text: fold 1 of 2, disjoint from calibration folds [0]" in details[0]
+    assert "oracle_text: fold 1 of 2, disjoint from calibration folds 0" in details[0]
     assert "--folds 2 --fold 0" in table.source
     oracle = [ln.split(",")[-1] for ln in details[2:]]  # oracle_int2 of each expert
     assert sum(v != "nan" for v in oracle) == 3  # only the three requested experts were measured
