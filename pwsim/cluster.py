@@ -42,6 +42,7 @@ from pagedweight.policy.policies import PolicyInfeasible
 from pagedweight.results.metrics import PERCENTILES, summarize
 from pagedweight.results.writer import OPTIONAL_TABLES, TABLES, policy_summary, write_policy_tables
 from pagedweight.workload.traces import RequestTrace
+from pwsim.engine import run_until
 from pwsim.router import RequestRouter
 
 ITL_BIN_MS = 0.01
@@ -135,15 +136,9 @@ def simulate_replica(
 
 
 def _run(env: simpy.Environment, done: list, trace: RequestTrace, progress) -> None:
-    until = env.all_of(done)
-    if progress is None:
-        env.run(until=until)
-        return
     horizon_s = float(trace.arrival_s[-1]) if len(trace) else 1.0
-    slice_s = max(horizon_s / 200, 1e-3)
-    while not until.triggered:
-        env.run(until=env.now + slice_s)
-        progress(min(env.now / horizon_s, 1.0))
+    fraction = None if progress is None else (lambda now_s: progress(min(now_s / horizon_s, 1.0)))
+    run_until(env, env.all_of(done), trace, fraction)
 
 
 def simulate_routed_cluster(loaded: LoadedScenario, run: ScenarioRun, policy: str, parts_dir: str, progress=None):

@@ -256,13 +256,17 @@ class SimEngine:
 
     def run(self, progress=None) -> None:
         """Run to the last request. ``progress(now_s)`` is called every 1/200 of the trace."""
-        env = self.env
-        done = self.start()
-        if progress is None:
-            env.run(until=done)
-            return
-        horizon_s = float(self.trace.arrival_s[-1]) if len(self.trace) else 1.0
-        slice_s = max(horizon_s / 200, 1e-3)
-        while not done.triggered:
-            env.run(until=env.now + slice_s)
-            progress(env.now)
+        run_until(self.env, self.start(), self.trace, progress)
+
+
+def run_until(env: simpy.Environment, done: Event, trace: RequestTrace, progress=None) -> None:
+    """Run ``env`` until ``done``; ``progress(now_s)``, if given, is called every 1/200 of the
+    trace's span (one engine, an expert-parallel replica or a cluster alike)."""
+    if progress is None:
+        env.run(until=done)
+        return
+    horizon_s = float(trace.arrival_s[-1]) if len(trace) else 1.0
+    slice_s = max(horizon_s / 200, 1e-3)
+    while not done.triggered:
+        env.run(until=env.now + slice_s)
+        progress(env.now)

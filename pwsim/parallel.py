@@ -57,7 +57,7 @@ from pagedweight.policy.importance import ImportanceTable
 from pagedweight.results.metrics import Slo, StepRecorder
 from pagedweight.results.writer import _write_requests, _write_steps, policy_summary
 from pagedweight.workload.traces import RequestTrace
-from pwsim.engine import SimEngine, UrgentTimeout
+from pwsim.engine import SimEngine, UrgentTimeout, run_until
 from pwsim.router import RequestRouter
 from pwsim.routing import RoutingSampler
 
@@ -306,16 +306,7 @@ class EpEngine:
         return env.process(self.engine(env))
 
     def run(self, progress=None) -> None:
-        env = self.env
-        done = self.start()
-        if progress is None:
-            env.run(until=done)
-            return
-        horizon_s = float(self.trace.arrival_s[-1]) if len(self.trace) else 1.0
-        slice_s = max(horizon_s / 200, 1e-3)
-        while not done.triggered:
-            env.run(until=env.now + slice_s)
-            progress(env.now)
+        run_until(self.env, self.start(), self.trace, progress)
 
     # ---- results --------------------------------------------------------------------------
     def ep_step_columns(self) -> dict[str, np.ndarray]:
