@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typing
+from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
@@ -140,3 +141,19 @@ def read_yaml_mapping(path, error: type[PagedWeightError], allowed: list[str] | 
     if not isinstance(raw, dict):
         raise error(f"{src}: expected a mapping at the top level; allowed keys: {', '.join(allowed)}")
     return raw
+
+
+def read_yaml_model(path, model, error: type[PagedWeightError], what: str):
+    """A YAML file validated as the pydantic ``model``: (the model, the raw mapping). A missing
+    file, bad YAML or a field that fails validation is one ``error`` naming ``what`` (e.g.
+    "sweep file"), the file and the field."""
+    from pydantic import ValidationError
+
+    src = str(path)
+    if not Path(path).is_file():
+        raise error(f"{what} {src} does not exist")
+    raw = read_yaml_mapping(path, error, list(model.model_fields))
+    try:
+        return model.model_validate(raw), raw
+    except ValidationError as e:
+        raise error(format_validation_error(e, src, model, raw)) from None

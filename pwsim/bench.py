@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedweight.config.scenario import load_scenario
-from pagedweight.errors import PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
+from pagedweight.errors import PagedWeightError, ScenarioError, read_yaml_model
 from pagedweight.results.report_data import policy_metrics, read_summary
 from pagedweight.results.writer import atomic_write_csv, atomic_write_text
 from pwsim.executor import Display, Job, auto_display, run_jobs
@@ -147,13 +147,7 @@ def load_suite(path: str | Path) -> Suite:
     """Read and check a suite; every cell is validated as a scenario before anything runs."""
     path = Path(path)
     src = str(path)
-    if not path.is_file():
-        raise BenchError(f"suite file {src} does not exist")
-    raw = read_yaml_mapping(path, BenchError, list(SuiteSpec.model_fields))
-    try:
-        spec = SuiteSpec.model_validate(raw)
-    except ValidationError as e:
-        raise BenchError(format_validation_error(e, src, SuiteSpec, raw)) from None
+    spec, raw = read_yaml_model(path, SuiteSpec, BenchError, "suite file")
     scenarios, rates = {}, {}
     for cell in spec.cells:
         scenario = Path(cell.scenario)

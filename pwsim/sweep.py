@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedweight.config.scenario import load_scenario
-from pagedweight.errors import ConfigError, PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
+from pagedweight.errors import ConfigError, PagedWeightError, ScenarioError, read_yaml_model
 from pagedweight.results.report_data import METRIC_KEYS, policy_metrics, read_summary
 from pagedweight.results.writer import atomic_write_csv, atomic_write_text
 from pwsim.executor import Display, Job, auto_display, run_jobs
@@ -129,13 +129,7 @@ def load_sweep(path: str | Path) -> Sweep:
     """Read and check a sweep file; every cell is validated as a scenario before anything runs."""
     path = Path(path)
     src = str(path)
-    if not path.is_file():
-        raise SweepError(f"sweep file {src} does not exist")
-    raw = read_yaml_mapping(path, SweepError, list(SweepSpec.model_fields))
-    try:
-        spec = SweepSpec.model_validate(raw)
-    except ValidationError as e:
-        raise SweepError(format_validation_error(e, src, SweepSpec, raw)) from None
+    spec, raw = read_yaml_model(path, SweepSpec, SweepError, "sweep file")
     scenario_path = Path(spec.scenario)
     if not scenario_path.is_absolute():
         scenario_path = (path.parent / scenario_path).resolve()
