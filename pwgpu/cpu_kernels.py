@@ -91,7 +91,7 @@ def paged_decode_sdpa(q, kv, layer: int, block_tables: torch.Tensor, context_len
     # read as bf16 can be NaN or inf): masked scores and zero weights still carry a NaN through
     # the products, so those slots are zeroed first.
     past = ~valid[:, :, None, None]
-    k, v = k.float().masked_fill(past, 0.0), v.float().masked_fill(past, 0.0)
+    k, v = k.float().masked_fill_(past, 0.0), v.float().masked_fill_(past, 0.0)  # in place: one temporary each
     out = F_.scaled_dot_product_attention(
         q.float()[:, :, None, :],
         k.transpose(1, 2),

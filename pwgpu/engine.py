@@ -32,6 +32,7 @@ from pagedweight.policy.importance import ImportanceTable, on_ladder, read_table
 from pagedweight.results.metrics import Slo
 from pagedweight.results.writer import ResultsWriter, policy_summary, run_meta
 from pwgpu.attention import PagedKvCache, build_batch
+from pwgpu.host_allocator import keep_host_temporaries
 from pwgpu.loader import DTYPES, default_dtype_name, expert_masters, load_checkpoint, pinned_weights
 from pwgpu.model import MoeTransformer
 from pwgpu.sampling import RequestSampler, SamplingParams, TokenLogprobs, sample
@@ -149,6 +150,7 @@ class Engine:
         self.cfg = cfg
         self.clock = clock or WallClock()
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        keep_host_temporaries()  # as the profiler does: the same op, the same host allocator
         dtype_name = cfg.dtype or default_dtype_name(self.device)
         if dtype_name not in DTYPES:
             raise ConfigError(f"dtype {dtype_name!r} unknown; allowed: {', '.join(DTYPES)}")

@@ -24,6 +24,7 @@ from pagedweight.core.spec import PRECISION_NAMES, ModelSpec
 from pagedweight.errors import ConfigError
 from pwgpu.attention import PagedKvCache, build_batch, paged_attention
 from pwgpu.cpu_kernels import DENSE_DTYPES
+from pwgpu.host_allocator import keep_host_temporaries
 from pwgpu.kernels.paging import PagedExperts
 from pwgpu.loader import DTYPES, default_dtype_name
 from pwgpu.mla import latent_attention
@@ -32,7 +33,8 @@ from pwgpu.model import Rope, rms_norm
 MiB = 1 << 20
 NOTES = (
     "activations and KV in meta 'dtype': the engine's default on the device, or bf16 for a scenario run",
-    "every timed sample starts with the caches flushed (meta 'flush_bytes' written just before)",
+    "every timed sample starts with the caches flushed (meta 'flush_bytes' written just before; 0 on "
+    "a CPU, where a step's ops find their data in the last-level cache)",
     "moe_ffn: e experts of one precision, each routed exactly m tokens (top-1 routing: the top-k sum, "
     "one elementwise pass, is not timed)",
     "attn_prefill: the engine's paged attention for one chunk of m new tokens whose context after the "
@@ -132,15 +134,19 @@ GRIDS = {
 
 # Written before each timed repetition, outside the timing, so every op starts with cold caches
 # as it does inside a step, where the other ops of the layer have just run: larger than an H200's
-# 50 MB L2, and than twice this CPU class's 32 MB L3. Timed over and over in a warm cache, CPU
-# decode attention at batch 16 read 1.1-1.4 ms against 2.6 ms inside an engine step; flushed,
-# 2.5 ms.
-FLUSH_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}
+# 50 MB L2. Not on a CPU: there an engine step's ops find much of their data still in the 32 MB
+# L3 (a batch-16 decode attention layer took 1.7 ms inside engine steps, 2.3 ms timed warm and
+# 2.7 ms flushed on the 2-core VM, once the host allocator stopped faulting in fresh pages for
+# every temporary; host_allocator.py). The earlier 64 MB CPU flush matched engine steps that
+# paid those page faults.
+FLUSH_BYTES = {"cuda": 256 << 20, "cpu": 0}
 _flush_buffers: dict[torch.device, torch.Tensor] = {}
 
 
 def _flush(device: torch.device, num_bytes: int | None) -> None:
     n = FLUSH_BYTES.get(device.type, 64 << 20) if num_bytes is None else num_bytes
+    if n == 0:
+        return
     buf = _flush_buffers.get(device)
     if buf is None or buf.numel() != n:
         buf = _flush_buffers[device] = torch.empty(n, dtype=torch.uint8, device=device)
@@ -410,6 +416,7 @@ def profile(
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} unknown; allowed: {', '.join(DTYPES)}")
     rows: list[dict] = []
+    keep_host_temporaries()  # as the engine does (host_allocator.py): time the engine's ops
     with torch.inference_mode():
         for model in models:
             prof = Profiler(model, grid, dev, precisions, DTYPES[dtype])
