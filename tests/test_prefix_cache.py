@@ -16,7 +16,7 @@ from pagedweight.core.pool import (
     PagePool,
     weight_owner,
 )
-from pagedweight.core.prefix import TraceBlockKeys, token_block_keys
+from pagedweight.core.prefix import TraceBlockKeys, own_block_keys, token_block_keys
 from pagedweight.core.scheduler import FINISHED, REJECTED, Request, Scheduler, SchedulerConfig
 from pagedweight.errors import PoolError, PoolExhausted
 from pagedweight.workload.build import take, window
@@ -286,9 +286,13 @@ def test_concurrent_requests_share_blocks_while_running():
     s.check_prefix_cache()
 
 
-def run_shared_workload(seed, num_pages, blocks_per_page, block_tokens, max_batched, num_requests, with_hook, mode):
+def run_shared_workload(
+    seed, num_pages, blocks_per_page, block_tokens, max_batched, num_requests, with_hook, mode, private_every=0
+):
     """Requests whose prompts extend a few shared prefixes, to the end; every invariant at every
-    step. Returns the steps taken and the prompt tokens served from the cache."""
+    step. Every ``private_every``-th request (0: none) has keys of its own, as the simulator
+    gives requests of a trace without block ids. Returns the steps taken and the prompt tokens
+    served from the cache."""
     rng = np.random.default_rng(seed)
     pool, kv, s = make(
         num_pages,
@@ -313,7 +317,10 @@ def run_shared_workload(seed, num_pages, blocks_per_page, block_tokens, max_batc
     for i in range(num_requests):
         tokens = prefixes[int(rng.integers(0, 3))] + rng.integers(0, 50, int(rng.integers(1, 60))).tolist()
         r = Request(i, float(i), len(tokens), int(rng.integers(1, 30)))
-        r.block_hashes = token_block_keys(tokens, block_tokens)
+        if private_every and i % private_every == 0:
+            r.block_hashes, r.prefix_private = own_block_keys(i, len(tokens), block_tokens), True
+        else:
+            r.block_hashes = token_block_keys(tokens, block_tokens)
         reqs.append(r)
     now, nxt, steps = 0.0, 0, 0
     while nxt < len(reqs) or s.has_work():
@@ -340,6 +347,9 @@ def run_shared_workload(seed, num_pages, blocks_per_page, block_tokens, max_batc
         if r.state is FINISHED:
             assert r.num_output_tokens == r.max_output_tokens
     assert kv.num_used_blocks == 0 and pool.num_owned(OWNER_KV) == 0
+    # Finished requests with private keys leave nothing cached: no lookup could find it.
+    private_keys = {k for r in reqs if r.prefix_private for k in r.block_hashes}
+    assert not private_keys & set(kv._block_of_key)
     return steps, s.prefix_hit_tokens
 
 
@@ -358,6 +368,7 @@ def test_random_shared_prefix_workloads_keep_every_invariant():
         num_requests=st.integers(5, 40),
         with_hook=st.booleans(),
         mode=st.sampled_from(["recompute", "swap"]),
+        private_every=st.sampled_from([0, 1, 3]),
     )
     def workload(**kw):
         results.append(run_shared_workload(**kw))
@@ -366,6 +377,30 @@ def test_random_shared_prefix_workloads_keep_every_invariant():
     # Together the examples must have run long and hit often, or the property says little.
     assert sum(steps for steps, _ in results) >= 400
     assert sum(hits > 0 for _, hits in results) >= 5
+
+
+def test_private_keys_are_cached_only_for_their_own_recompute():
+    """A request whose keys are its own registers its computed blocks when preempted, finds them
+    again when readmitted, and frees them, keys and all, when it finishes."""
+    _, kv, s = make(6, block_tokens=4, blocks_per_page=1, max_num_batched_tokens=64, admission="greedy")
+    first = Request(0, 0.0, 8, 6)  # grows to 4 blocks
+    newest = Request(1, 0.0, 12, 8)  # 3 prompt blocks; preempted when the 6 blocks run out
+    for r in (first, newest):
+        r.block_hashes, r.prefix_private = own_block_keys(r.request_id, r.prompt_tokens, 4), True
+    s.add(first)
+    s.add(newest)
+    s.finish_step(s.schedule(0.0), 1.0)
+    assert kv._block_of_key == {}  # nothing registered while they run
+    now = 1.0
+    while not newest.num_preemptions:
+        s.finish_step(s.schedule(now), now + 1)
+        now += 1
+        assert now < 50, "no preemption"
+    assert len(kv._block_of_key) == 3  # its computed prompt blocks, for its own recompute
+    run_all(s, [], now)
+    assert first.state is FINISHED and newest.state is FINISHED
+    assert s.prefix_hit_tokens == 8  # readmitted: 2 of its 3 prompt blocks were still cached
+    assert kv.num_cached_blocks == 0 and kv._block_of_key == {}  # finished: nothing lingers
 
 
 # ---- the multi-turn generator ----------------------------------------------------------------

@@ -369,6 +369,31 @@ class KvBlockAllocator:
                 private = [b for b in block_ids if b not in keyed] if len(cached) < len(block_ids) else []
                 self.release(cached)
                 block_ids = private
+        self._free_unkeyed(block_ids)
+
+    def discard(self, block_ids: list[int], num_keyed: int) -> None:
+        """Free a request's blocks whose content nobody will ask for again (its keys were its
+        own): the cached ones among its first ``num_keyed`` forget their keys and are freed with
+        the rest, instead of lingering as evictable blocks that no lookup can hit. A block
+        another request holds too (not possible with keys of one's own) just loses a holder."""
+        by_key, by_block, refs = self._block_of_key, self._key_of_block, self._refs
+        shared: list[int] = []
+        for block in block_ids[:num_keyed]:
+            key = by_block.get(block)
+            if key is None:
+                continue
+            if block in refs:
+                shared.append(block)
+            else:
+                del by_block[block]
+                del by_key[key]
+        if shared:
+            self.release(shared)
+            held_by_others = set(shared)
+            block_ids = [b for b in block_ids if b not in held_by_others]
+        self._free_unkeyed(block_ids)
+
+    def _free_unkeyed(self, block_ids: list[int]) -> None:
         bpp = self.blocks_per_page
         if bpp == 1:
             pages = np.asarray(block_ids, dtype=np.int64)

@@ -110,6 +110,7 @@ class Request:
         "block_hashes",
         "num_cached_blocks",
         "cached_tokens",
+        "prefix_private",
     )
 
     def __init__(self, request_id: int, arrival_s: float, prompt_tokens: int, max_output_tokens: int):
@@ -136,6 +137,10 @@ class Request:
         self.block_hashes: Sequence[int] | None = None
         self.num_cached_blocks = 0
         self.cached_tokens = 0
+        # Keys no other request can have (the simulator's keys for a trace without block ids):
+        # the blocks are worth caching only while the request itself waits to be recomputed, so
+        # they are registered when it is preempted and freed, keys and all, when it finishes.
+        self.prefix_private = False
 
     @property
     def num_tokens(self) -> int:
@@ -271,6 +276,8 @@ class Scheduler:
         if self.config.preemption_mode == "swap":
             req.swapped_tokens = req.num_computed_tokens
             batch.swapped_out_tokens += req.num_computed_tokens
+        elif req.prefix_private and req.block_hashes:
+            self._cache_private_blocks(req)  # what it computed, for its own recompute
         self.kv.free(req.block_ids)
         req.block_ids = []
         req.num_cached_blocks = 0
@@ -421,8 +428,12 @@ class Scheduler:
         if self._prefix_pending:  # before the finished let go: their last blocks are cached too
             self._cache_computed_blocks()
         if finished:
+            kv = self.kv
             for req in finished:
-                self.kv.free(req.block_ids)
+                if req.prefix_private:
+                    kv.discard(req.block_ids, req.num_cached_blocks)  # nobody can ask for them
+                else:
+                    kv.free(req.block_ids)
                 req.block_ids = []
             self.running = [r for r in self.running if r.state is RUNNING]
         return finished
@@ -433,7 +444,10 @@ class Scheduler:
             self.running.remove(req)
         elif req.state is WAITING:
             self.waiting.remove(req)
-        self.kv.free(req.block_ids)
+        if req.prefix_private:
+            self.kv.discard(req.block_ids, req.num_cached_blocks)
+        else:
+            self.kv.free(req.block_ids)
         req.block_ids = []
         req.num_cached_blocks = 0
         self._prefix_pending.pop(req, None)
@@ -487,8 +501,18 @@ class Scheduler:
             self.prefix_hit_tokens += hit_tokens
             if req.first_scheduled_s is None:
                 req.cached_tokens = hit_tokens
-        if req.num_cached_blocks < len(req.block_hashes):
+        if req.num_cached_blocks < len(req.block_hashes) and not req.prefix_private:
             self._prefix_pending[req] = None
+
+    def _cache_private_blocks(self, req: Request) -> None:
+        """Register the prompt blocks a request with private keys has computed (it is being
+        preempted; it finds them again if they are not evicted before it is readmitted). The
+        same blocks a request with shared keys registers step by step."""
+        keys, done = req.block_hashes, req.num_cached_blocks
+        full = min(len(keys), req.num_computed_tokens // self.kv.block_tokens)
+        if full > done:
+            self.kv.cache_blocks(req.block_ids[done:full], keys[done:full])
+            req.num_cached_blocks = full
 
     def _cache_computed_blocks(self) -> None:
         """Register the prompt blocks completed so far by the requests that still had some to
