@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import islice
 
 import numpy as np
 
@@ -438,6 +439,13 @@ class KvBlockAllocator:
     def cache_blocks(self, blocks: Sequence[int], keys: Sequence[int]) -> None:
         """``cache_block`` for each pair, in one call (a request's newly computed blocks)."""
         by_key, by_block = self._block_of_key, self._key_of_block
+        if len(blocks) != len(keys):
+            raise PoolError(f"{len(blocks)} blocks for {len(keys)} keys")
+        # Usually none is cached yet: two bulk updates (a long prompt has ~1,000 blocks).
+        if by_key.keys().isdisjoint(keys) and by_block.keys().isdisjoint(blocks) and len(set(keys)) == len(keys):
+            by_key.update(zip(keys, blocks, strict=True))
+            by_block.update(zip(blocks, keys, strict=True))
+            return
         for block, key in zip(blocks, keys, strict=True):
             if key not in by_key and block not in by_block:
                 by_key[key] = block
@@ -496,17 +504,21 @@ class KvBlockAllocator:
         most recently used, a request's last block ahead of its first: so its last block, the
         prefix least likely to be shared, is evicted first (as vLLM does)."""
         refs, evictable, bpp = self._refs, self._evictable, self.blocks_per_page
-        idle: list[int] = []
-        for block in reversed(blocks):
-            if block in evictable:  # callers pass cached blocks (``free`` sorts them out)
-                raise PoolError(f"KV block {block} is not a cached block held by a request")
-            n = refs.get(block)
-            if n is None:
-                idle.append(block)
-            elif n > 2:
-                refs[block] = n - 1
-            else:
-                del refs[block]
+        if not evictable.keys().isdisjoint(blocks):  # callers pass cached blocks (``free`` sorts them out)
+            block = next(b for b in blocks if b in evictable)
+            raise PoolError(f"KV block {block} is not a cached block held by a request")
+        if not refs or refs.keys().isdisjoint(blocks):  # held by this request alone: all idle now
+            idle = blocks[::-1] if isinstance(blocks, list) else list(reversed(blocks))
+        else:
+            idle = []
+            for block in reversed(blocks):
+                n = refs.get(block)
+                if n is None:
+                    idle.append(block)
+                elif n > 2:
+                    refs[block] = n - 1
+                else:
+                    del refs[block]
         if not idle:
             return
         evictable.update(dict.fromkeys(idle))
@@ -573,21 +585,27 @@ class KvBlockAllocator:
     def _reclaim_pages(self, num_pages: int) -> None:
         """Free up to ``num_pages`` whole ``OWNER_KV_CACHED`` pages for another claimant, the
         pages of the least recently used evictable blocks first."""
-        bpp, owner_of = self.blocks_per_page, self.pool._owner_of
-        freed: list[int] = []
-        for block in list(self._evictable):
-            if len(freed) >= num_pages:
-                break
-            page = block // bpp
-            if block not in self._evictable or owner_of[page] != OWNER_KV_CACHED:
-                continue
+        bpp, owner_of, evictable = self.blocks_per_page, self.pool._owner_of, self._evictable
+        # The pages first, walking the LRU order only as far as needed (a copy of the whole
+        # evictable set per call cost a sixth of a long-context run), then their blocks.
+        if bpp == 1:  # page = block, and the page of an evictable block is a cached page
+            freed = list(islice(evictable, num_pages))
+        else:
+            freed, seen = [], set()
+            for block in evictable:
+                if len(freed) >= num_pages:
+                    break
+                page = block // bpp
+                if page not in seen and owner_of[page] == OWNER_KV_CACHED:
+                    seen.add(page)
+                    freed.append(page)
+        for page in freed:
             for b in range(page * bpp, page * bpp + bpp):
-                if b in self._evictable:
+                if b in evictable:
                     self._forget(b)
             self._used_in_page[page] = 0
             if page in self._free_slots:
                 self._num_free_in_pages -= len(self._free_slots.pop(page))
-            freed.append(page)
         if freed:
             self.pool.free(freed, OWNER_KV_CACHED)
 

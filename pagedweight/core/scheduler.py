@@ -387,9 +387,12 @@ class Scheduler:
 
     def _promised_blocks(self) -> int:
         """Blocks promised to running requests beyond those they hold."""
-        out = 0
-        for req in self.running:
-            extra = self._promise(req) - len(req.block_ids)
+        out, bt, reserve = 0, self.kv.block_tokens, self.config.admission_reserve_tokens
+        for req in self.running:  # _promise, inlined
+            outputs = req.num_output_tokens
+            ahead = req.max_output_tokens - outputs
+            extra = -(-(req.prompt_tokens + outputs + (ahead if ahead < reserve else reserve)) // bt)
+            extra -= len(req.block_ids)
             if extra > 0:
                 out += extra
         return out
@@ -555,14 +558,18 @@ class Scheduler:
         bt = self.kv.block_tokens
         need = 0
         # Under forecast admission the running requests' promises count too: weights that took
-        # those blocks back would be downgraded again at the next admission.
-        promise = self._promise if self.config.admission == "forecast" else None
+        # those blocks back would be downgraded again at the next admission. (``_promise``
+        # inlined: this loop runs over every running request at every plan.)
+        promise = self.config.admission == "forecast"
+        reserve = self.config.admission_reserve_tokens
         for req in self.running:
-            target = req.prompt_tokens + req.num_output_tokens + horizon_steps
-            final = req.prompt_tokens + req.max_output_tokens - 1
+            prompt, outputs, max_outputs = req.prompt_tokens, req.num_output_tokens, req.max_output_tokens
+            target = prompt + outputs + horizon_steps
+            final = prompt + max_outputs - 1
             blocks = -(-(target if target < final else final) // bt)
-            if promise is not None:
-                promised = promise(req)
+            if promise:
+                ahead = max_outputs - outputs
+                promised = -(-(prompt + outputs + (ahead if ahead < reserve else reserve)) // bt)
                 blocks = promised if promised > blocks else blocks
             extra = blocks - len(req.block_ids)
             if extra > 0:
