@@ -372,26 +372,14 @@ class KvBlockAllocator:
                 block_ids = private
         self._free_unkeyed(block_ids)
 
-    def discard(self, block_ids: list[int], num_keyed: int) -> None:
-        """Free a request's blocks whose content nobody will ask for again (its keys were its
-        own): the cached ones among its first ``num_keyed`` forget their keys and are freed with
-        the rest, instead of lingering as evictable blocks that no lookup can hit. A block
-        another request holds too (not possible with keys of one's own) just loses a holder."""
-        by_key, by_block, refs = self._block_of_key, self._key_of_block, self._refs
-        shared: list[int] = []
-        for block in block_ids[:num_keyed]:
-            key = by_block.get(block)
-            if key is None:
-                continue
-            if block in refs:
-                shared.append(block)
-            else:
-                del by_block[block]
-                del by_key[key]
-        if shared:
-            self.release(shared)
-            held_by_others = set(shared)
-            block_ids = [b for b in block_ids if b not in held_by_others]
+    def retire(self, block_ids: list[int], num_dead: int) -> None:
+        """Give back a request's blocks whose content nobody can ask for (keys of its own, never
+        registered): the first ``num_dead`` (its computed prompt blocks) become evictable with
+        no key, exactly where ``release`` would have put them had they been registered, so the
+        cache's memory and eviction order are unchanged; the rest are freed."""
+        if num_dead > 0:
+            self._make_idle(block_ids[num_dead - 1 :: -1])
+            block_ids = block_ids[num_dead:]
         self._free_unkeyed(block_ids)
 
     def _free_unkeyed(self, block_ids: list[int]) -> None:
@@ -503,7 +491,7 @@ class KvBlockAllocator:
         """Cached blocks lose one holder each; a block nobody holds becomes evictable, as the
         most recently used, a request's last block ahead of its first: so its last block, the
         prefix least likely to be shared, is evicted first (as vLLM does)."""
-        refs, evictable, bpp = self._refs, self._evictable, self.blocks_per_page
+        refs, evictable = self._refs, self._evictable
         if not evictable.keys().isdisjoint(blocks):  # callers pass cached blocks (``free`` sorts them out)
             block = next(b for b in blocks if b in evictable)
             raise PoolError(f"KV block {block} is not a cached block held by a request")
@@ -519,11 +507,15 @@ class KvBlockAllocator:
                     refs[block] = n - 1
                 else:
                     del refs[block]
-        if not idle:
-            return
-        evictable.update(dict.fromkeys(idle))
+        if idle:
+            self._make_idle(idle)
+
+    def _make_idle(self, idle: list[int]) -> None:
+        """Held blocks nobody holds any more become evictable, in this order (first: evicted
+        first among them), and a page whose used blocks are all evictable a cached page."""
+        self._evictable.update(dict.fromkeys(idle))
         self.num_used_blocks -= len(idle)
-        owner_of = self.pool._owner_of
+        bpp, owner_of = self.blocks_per_page, self.pool._owner_of
         if bpp == 1:  # page = block: each such page now holds only a cached block
             self.pool.transfer_list(idle, OWNER_KV, OWNER_KV_CACHED)
             return
@@ -550,7 +542,9 @@ class KvBlockAllocator:
     def _forget(self, block: int) -> int:
         """Evict one evictable block: its key is forgotten; returns its page."""
         del self._evictable[block]
-        del self._block_of_key[self._key_of_block.pop(block)]
+        key = self._key_of_block.pop(block, None)
+        if key is not None:  # a retired block has none
+            del self._block_of_key[key]
         page = block // self.blocks_per_page
         if self.blocks_per_page > 1:
             self._evictable_in_page[page] -= 1
@@ -568,12 +562,16 @@ class KvBlockAllocator:
         self.num_used_blocks += num_blocks
         if bpp == 1:  # page = block, and a page whose one block is evictable is a cached page
             for block in out:
-                del by_key[by_block.pop(block)]
+                key = by_block.pop(block, None)
+                if key is not None:  # a retired block has none
+                    del by_key[key]
             self.pool.transfer_list(out, OWNER_KV_CACHED, OWNER_KV)
             return out
         to_kv: list[int] = []
         for block in out:
-            del by_key[by_block.pop(block)]
+            key = by_block.pop(block, None)
+            if key is not None:
+                del by_key[key]
             page = block // bpp
             in_page[page] -= 1
             if owner_of[page] == OWNER_KV_CACHED:
@@ -642,8 +640,6 @@ class KvBlockAllocator:
             self._block_of_key.get(k) != b for b, k in self._key_of_block.items()
         ):
             raise PoolError("prefix cache: key and block maps disagree")
-        if not set(self._evictable) <= set(self._key_of_block):
-            raise PoolError("prefix cache: an evictable block without a key")
         if set(self._refs) & set(self._evictable) or not set(self._refs) <= set(self._key_of_block):
             raise PoolError("prefix cache: a shared block is evictable or has no key")
         if any(n < 2 for n in self._refs.values()):

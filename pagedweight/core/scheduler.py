@@ -137,9 +137,11 @@ class Request:
         self.block_hashes: Sequence[int] | None = None
         self.num_cached_blocks = 0
         self.cached_tokens = 0
-        # Keys no other request can have (the simulator's keys for a trace without block ids):
-        # the blocks are worth caching only while the request itself waits to be recomputed, so
-        # they are registered when it is preempted and freed, keys and all, when it finishes.
+        # Keys no other request can have (the simulator's keys for a trace without block ids).
+        # Until its first preemption nothing can look them up, so its blocks are registered
+        # only if it is preempted, and when it finishes its prompt blocks stay in the cache as
+        # keyless evictable blocks: the cache's memory and eviction order are those of the
+        # registered blocks, without the cost of keys nobody asks for.
         self.prefix_private = False
 
     @property
@@ -276,7 +278,7 @@ class Scheduler:
         if self.config.preemption_mode == "swap":
             req.swapped_tokens = req.num_computed_tokens
             batch.swapped_out_tokens += req.num_computed_tokens
-        elif req.prefix_private and req.block_hashes:
+        if req.prefix_private and not req.num_preemptions and req.block_hashes:
             self._cache_private_blocks(req)  # what it computed, for its own recompute
         self.kv.free(req.block_ids)
         req.block_ids = []
@@ -433,8 +435,8 @@ class Scheduler:
         if finished:
             kv = self.kv
             for req in finished:
-                if req.prefix_private:
-                    kv.discard(req.block_ids, req.num_cached_blocks)  # nobody can ask for them
+                if req.prefix_private and not req.num_preemptions:  # its prompt blocks, unkeyed
+                    kv.retire(req.block_ids, len(req.block_hashes))
                 else:
                     kv.free(req.block_ids)
                 req.block_ids = []
@@ -447,8 +449,9 @@ class Scheduler:
             self.running.remove(req)
         elif req.state is WAITING:
             self.waiting.remove(req)
-        if req.prefix_private:
-            self.kv.discard(req.block_ids, req.num_cached_blocks)
+        if req.prefix_private and not req.num_preemptions and req.block_hashes:
+            computed = min(len(req.block_hashes), req.num_computed_tokens // self.kv.block_tokens)
+            self.kv.retire(req.block_ids, computed)
         else:
             self.kv.free(req.block_ids)
         req.block_ids = []
@@ -504,13 +507,15 @@ class Scheduler:
             self.prefix_hit_tokens += hit_tokens
             if req.first_scheduled_s is None:
                 req.cached_tokens = hit_tokens
-        if req.num_cached_blocks < len(req.block_hashes) and not req.prefix_private:
+        if req.num_cached_blocks < len(req.block_hashes) and not (req.prefix_private and not req.num_preemptions):
             self._prefix_pending[req] = None
 
     def _cache_private_blocks(self, req: Request) -> None:
         """Register the prompt blocks a request with private keys has computed (it is being
-        preempted; it finds them again if they are not evicted before it is readmitted). The
-        same blocks a request with shared keys registers step by step."""
+        preempted for the first time; it finds them again if they are not evicted before it is
+        readmitted): the blocks a request with shared keys registers step by step, and, with
+        nobody else holding these keys, every registration succeeds as it would have then.
+        From here on the request registers step by step like any other."""
         keys, done = req.block_hashes, req.num_cached_blocks
         full = min(len(keys), req.num_computed_tokens // self.kv.block_tokens)
         if full > done:
