@@ -1,0 +1,81 @@
+"""What the cached prefix blocks next in line for eviction are worth: their observed reuse.
+
+A ghost list, as in ARC: the keys of the blocks evicted last (at most ``capacity``, the oldest
+dropped first). When an admitted request's cached prefix ends at a key the ghost list holds, the
+cache missed blocks it would have served had it kept that many more: each such block is a *ghost
+hit* (counted once; its key leaves the list). Ghost hits per second per ghost block is the hit
+rate of blocks just beyond the cache's least recently used end, so a lower bound for the blocks
+that would be evicted next (younger, in LRU order) wherever reuse falls with idle time. The rate
+is an exponentially decayed count over ``window_s`` seconds, so it follows the traffic and, when
+nothing is evicted for a while, decays with the list's ageing keys: protection that stops
+evictions lowers its own estimate, never raises it.
+
+Cost: a dict insert per evicted block, a dict look-up per admission past its cached prefix;
+nothing per step. Only the ``pagedweight`` policy, which weighs the cache against downgrades
+(``pagedweight.policy.controller``), turns it on (``KvBlockAllocator.track_reuse``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+
+# Seconds over which ghost hits are averaged: several multi-turn think times, yet short enough to
+# follow a change of traffic within a minute.
+REUSE_WINDOW_S = 30.0
+MIN_GHOST_BLOCKS = 256
+
+
+class GhostList:
+    """Keys of recently evicted prefix blocks and the rate at which requests come back for them."""
+
+    def __init__(self, capacity: int, window_s: float = REUSE_WINDOW_S):
+        self.capacity = max(1, capacity)
+        self.window_s = window_s
+        self._keys: OrderedDict[int, None] = OrderedDict()
+        self._count = 0.0  # ghost hits, decayed with time constant window_s, as of _count_s
+        self._count_s = 0.0
+        self.num_hits = 0  # every ghost hit of the run (results, tests)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: int) -> None:
+        """An evicted block's key."""
+        keys = self._keys
+        keys[key] = None
+        if len(keys) > self.capacity:
+            keys.popitem(last=False)
+
+    def add_many(self, keys: Sequence[int]) -> None:
+        ghosts = self._keys
+        ghosts.update(dict.fromkeys(keys))
+        while len(ghosts) > self.capacity:
+            ghosts.popitem(last=False)
+
+    def count_hits(self, keys: Sequence[int], start: int, limit: int, now_s: float) -> int:
+        """An admitted request's blocks ``start``.. (up to ``limit``) were not cached: those of
+        them, in a run from ``start``, that were evicted lately are ghost hits. Returns how many."""
+        ghosts = self._keys
+        n = 0
+        j = start
+        while j < limit and keys[j] in ghosts:
+            del ghosts[keys[j]]
+            n += 1
+            j += 1
+        if n:
+            self._count = self._decayed(now_s) + n
+            self._count_s = now_s
+            self.num_hits += n
+        return n
+
+    def _decayed(self, now_s: float) -> float:
+        dt = now_s - self._count_s
+        return self._count * math.exp(-dt / self.window_s) if dt > 0 else self._count
+
+    def hit_rate_per_block(self, now_s: float) -> float:
+        """Ghost hits per second per ghost block (0 while the list is empty)."""
+        if not self._keys:
+            return 0.0
+        return self._decayed(now_s) / self.window_s / len(self._keys)
