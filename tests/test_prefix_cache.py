@@ -166,13 +166,18 @@ def test_release_of_a_block_nobody_holds_is_an_error():
     num_pages=st.integers(1, 24),
     blocks_per_page=st.integers(1, 4),
     ops=st.lists(
-        st.tuples(st.sampled_from(["alloc", "free", "cache", "acquire", "weights", "wfree"]), st.integers(0, 7)),
+        st.tuples(
+            st.sampled_from(["alloc", "free", "cache", "acquire", "weights", "wfree", "reserve", "protect", "all"]),
+            st.integers(0, 7),
+        ),
         max_size=150,
     ),
 )
 def test_random_sharing_and_eviction_keep_every_invariant(num_pages, blocks_per_page, ops):
     """Holders as lists of blocks; a shared block is never freed while one still holds it, and
-    a key always names the block it was registered with."""
+    a key always names the block it was registered with. With a downgrade reserve and protected
+    blocks: a KV allocation never leaves fewer free and cached pages than the reserve (unless
+    there were fewer already), and every free block counted can be allocated."""
     pool = PagePool(num_pages * PAGE, PAGE)
     kv = KvBlockAllocator(pool, 1, PAGE // blocks_per_page)
     holders: list[list[int]] = []
@@ -180,9 +185,18 @@ def test_random_sharing_and_eviction_keep_every_invariant(num_pages, blocks_per_
     registered: dict[int, int] = {}  # key -> block, as registered
     next_key = 0
     for op, n in ops:
+        reclaimable = pool.num_free + pool.num_owned(OWNER_KV_CACHED)
         try:
             if op == "alloc":
                 holders.append(kv.allocate(n + 1))
+            elif op == "all" and kv.num_free_blocks:
+                holders.append(kv.allocate(kv.num_free_blocks))  # never refused
+            elif op == "reserve":
+                kv.reserve_pages = n % 4
+            elif op == "protect":
+                kv.protected_blocks = n if n < 6 else 10**9
+                if n == 0:
+                    kv.unprotect(1)
             elif op == "free" and holders:
                 kv.free(holders.pop(n % len(holders)))
             elif op == "cache" and holders:
@@ -204,7 +218,10 @@ def test_random_sharing_and_eviction_keep_every_invariant(num_pages, blocks_per_
             elif op == "wfree" and weights:
                 pool.free(weights.pop(n % len(weights)), weight_owner(0))
         except PoolExhausted:
-            pass
+            assert op != "all"
+        if op in ("alloc", "all"):
+            assert pool.num_free + pool.num_owned(OWNER_KV_CACHED) >= min(reclaimable, kv.reserve_pages)
+        assert kv.num_free_blocks >= 0 and kv.num_protected_blocks <= kv.num_cached_blocks
         pool.check()
         kv.check()
         counts: dict[int, int] = {}
@@ -286,9 +303,13 @@ def test_concurrent_requests_share_blocks_while_running():
     s.check_prefix_cache()
 
 
-def run_shared_workload(seed, num_pages, blocks_per_page, block_tokens, max_batched, num_requests, with_hook, mode):
+def run_shared_workload(
+    seed, num_pages, blocks_per_page, block_tokens, max_batched, num_requests, with_hook, mode, protect=False
+):
     """Requests whose prompts extend a few shared prefixes, to the end; every invariant at every
-    step. Returns the steps taken and the prompt tokens served from the cache."""
+    step. Returns the steps taken and the prompt tokens served from the cache. With ``protect``
+    (and the hook), every cached block is protected before each step and the hook lifts
+    protection for what the weights it gives back do not cover, as ``RuntimeCore`` does."""
     rng = np.random.default_rng(seed)
     pool, kv, s = make(
         num_pages,
@@ -302,9 +323,13 @@ def run_shared_workload(seed, num_pages, blocks_per_page, block_tokens, max_batc
     if with_hook:
 
         def hook(short):
+            before = kv.num_free_blocks
             give = weights[: -(-short // blocks_per_page)]
             del weights[: len(give)]
             pool.free(give, OWNER_PINNED)
+            still_short = short - (kv.num_free_blocks - before)
+            if kv.protected_blocks and still_short > 0:
+                kv.unprotect(still_short)
 
         s.pressure_hook = hook
     s.max_kv_blocks = (num_pages - (0 if with_hook else len(weights))) * blocks_per_page
@@ -320,6 +345,8 @@ def run_shared_workload(seed, num_pages, blocks_per_page, block_tokens, max_batc
         while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
             s.add(reqs[nxt])
             nxt += 1
+        if protect and with_hook:
+            kv.protected_blocks = 10**9
         batch = s.schedule(now)
         if not batch.requests:
             assert not s.running, "a stall with requests running"
@@ -358,6 +385,7 @@ def test_random_shared_prefix_workloads_keep_every_invariant():
         num_requests=st.integers(5, 40),
         with_hook=st.booleans(),
         mode=st.sampled_from(["recompute", "swap"]),
+        protect=st.booleans(),
     )
     def workload(**kw):
         results.append(run_shared_workload(**kw))
