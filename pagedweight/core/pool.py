@@ -641,8 +641,12 @@ class KvBlockAllocator:
         self.num_evicted_blocks += num_blocks
         self.num_used_blocks += num_blocks
         ghosts = self.ghosts
-        if ghosts is not None:
-            ghosts.add_many([by_block[block] for block in out])
+        if ghosts is not None:  # their keys become ghosts (core/reuse.py), one dict store each
+            evicted = ghosts.newer
+            for block in out:
+                evicted[by_block[block]] = None
+            if len(evicted) >= ghosts.capacity:
+                ghosts.age()
         if bpp == 1:  # page = block, and a page whose one block is evictable is a cached page
             for block in out:
                 del by_key[by_block.pop(block)]

@@ -1,7 +1,7 @@
 """What the cached prefix blocks next in line for eviction are worth: their observed reuse.
 
-A ghost list, as in ARC: the keys of the blocks evicted last (at most ``capacity``, the oldest
-dropped first). When an admitted request's cached prefix ends at a key the ghost list holds, the
+A ghost list, as in ARC: the keys of the blocks evicted last (``capacity`` to twice that,
+dropped a generation at a time). When an admitted request's cached prefix ends at a key the ghost list holds, the
 cache missed blocks it would have served had it kept that many more: each such block is a *ghost
 hit* (counted once; its key leaves the list). Ghost hits per second per ghost block is the hit
 rate of blocks just beyond the cache's least recently used end, so a lower bound for the blocks
@@ -18,7 +18,6 @@ nothing per step. Only the ``pagedweight`` policy, which weighs the cache agains
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 
 # Seconds over which ghost hits are averaged: several multi-turn think times, yet short enough to
@@ -28,40 +27,50 @@ MIN_GHOST_BLOCKS = 256
 
 
 class GhostList:
-    """Keys of recently evicted prefix blocks and the rate at which requests come back for them."""
+    """Keys of recently evicted prefix blocks and the rate at which requests come back for them.
+
+    Two generations of keys, each a plain dict filled up to ``capacity`` keys: when the newer is
+    full it becomes the older and the older is dropped, so the list holds the last ``capacity``
+    to ``2 * capacity`` evicted keys and an eviction costs one dict store (the simulator's hot
+    path evicts a block for most new ones once the cache has filled the memory)."""
 
     def __init__(self, capacity: int, window_s: float = REUSE_WINDOW_S):
         self.capacity = max(1, capacity)
         self.window_s = window_s
-        self._keys: OrderedDict[int, None] = OrderedDict()
+        self.newer: dict[int, None] = {}  # the allocator stores evicted keys here
+        self._older: dict[int, None] = {}
         self._count = 0.0  # ghost hits, decayed with time constant window_s, as of _count_s
         self._count_s = 0.0
         self.num_hits = 0  # every ghost hit of the run (results, tests)
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self.newer) + len(self._older)
 
     def add(self, key: int) -> None:
         """An evicted block's key."""
-        keys = self._keys
-        keys[key] = None
-        if len(keys) > self.capacity:
-            keys.popitem(last=False)
+        self.newer[key] = None
+        if len(self.newer) >= self.capacity:
+            self.age()
 
-    def add_many(self, keys: Sequence[int]) -> None:
-        ghosts = self._keys
-        ghosts.update(dict.fromkeys(keys))
-        while len(ghosts) > self.capacity:
-            ghosts.popitem(last=False)
+    def age(self) -> None:
+        """The newer generation is full: it becomes the older, the older is forgotten."""
+        self._older, self.newer = self.newer, {}
 
     def count_hits(self, keys: Sequence[int], start: int, limit: int, now_s: float) -> int:
         """An admitted request's blocks ``start``.. (up to ``limit``) were not cached: those of
-        them, in a run from ``start``, that were evicted lately are ghost hits. Returns how many."""
-        ghosts = self._keys
+        them, in a run from ``start``, that were evicted lately are ghost hits (each counted once:
+        it leaves the list). Returns how many."""
+        newer, older = self.newer, self._older
         n = 0
         j = start
-        while j < limit and keys[j] in ghosts:
-            del ghosts[keys[j]]
+        while j < limit:
+            key = keys[j]
+            if key in newer:
+                del newer[key]
+            elif key in older:
+                del older[key]
+            else:
+                break
             n += 1
             j += 1
         if n:
@@ -75,7 +84,7 @@ class GhostList:
         return self._count * math.exp(-dt / self.window_s) if dt > 0 else self._count
 
     def hit_rate_per_block(self, now_s: float) -> float:
-        """Ghost hits per second per ghost block (0 while the list is empty)."""
-        if not self._keys:
+        """Ghost hits per second per ghost block (0 before any hit)."""
+        if not self.num_hits or not len(self):
             return 0.0
-        return self._decayed(now_s) / self.window_s / len(self._keys)
+        return self._decayed(now_s) / self.window_s / len(self)
