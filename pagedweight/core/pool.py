@@ -641,20 +641,22 @@ class KvBlockAllocator:
         self.num_evicted_blocks += num_blocks
         self.num_used_blocks += num_blocks
         ghosts = self.ghosts
-        if ghosts is not None:  # their keys become ghosts (core/reuse.py), one dict store each
+        if ghosts is None:
+            for block in out:
+                del by_key[by_block.pop(block)]
+        else:  # their keys become ghosts (core/reuse.py): one dict store each
             evicted = ghosts.newer
             for block in out:
-                evicted[by_block[block]] = None
+                key = by_block.pop(block)
+                del by_key[key]
+                evicted[key] = None
             if len(evicted) >= ghosts.capacity:
                 ghosts.age()
         if bpp == 1:  # page = block, and a page whose one block is evictable is a cached page
-            for block in out:
-                del by_key[by_block.pop(block)]
             self.pool.transfer_list(out, OWNER_KV_CACHED, OWNER_KV)
             return out
         to_kv: list[int] = []
         for block in out:
-            del by_key[by_block.pop(block)]
             page = block // bpp
             in_page[page] -= 1
             if owner_of[page] == OWNER_KV_CACHED:
