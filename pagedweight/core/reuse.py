@@ -1,16 +1,16 @@
 """What the cached prefix blocks next in line for eviction are worth: their observed reuse.
 
-A ghost list, as in ARC: the keys of the blocks evicted last (``capacity`` to twice that,
-dropped a generation at a time). When an admitted request's cached prefix ends at a key the ghost list holds, the
-cache missed blocks it would have served had it kept that many more: each such block is a *ghost
-hit* (counted once; its key leaves the list). Ghost hits per second per ghost block is the hit
-rate of blocks just beyond the cache's least recently used end, so a lower bound for the blocks
-that would be evicted next (younger, in LRU order) wherever reuse falls with idle time. The rate
-is an exponentially decayed count over ``window_s`` seconds, so it follows the traffic and, when
-nothing is evicted for a while, decays with the list's ageing keys: protection that stops
-evictions lowers its own estimate, never raises it.
+A ghost list, as in ARC: the keys of the blocks evicted last (``capacity`` to twice that, dropped
+a generation at a time). When an admitted request's cached prefix ends at a key the ghost list
+holds, the cache missed blocks it would have served had it kept that many more: each such block
+is a *ghost hit* (counted once; its key leaves the list). Ghost hits per second per ghost block
+is the hit rate of blocks just beyond the cache's least recently used end, so a lower bound for
+the blocks that would be evicted next (younger, in LRU order) wherever reuse falls with idle
+time. The rate is an exponentially decayed count over ``window_s`` seconds, so it follows the
+traffic and, when nothing is evicted for a while, decays with the list's ageing keys: protection
+that stops evictions lowers its own estimate, never raises it.
 
-Cost: a dict insert per evicted block, a dict look-up per admission past its cached prefix;
+Cost: a dict store per evicted block, a dict look-up per admission past its cached prefix;
 nothing per step. Only the ``pagedweight`` policy, which weighs the cache against downgrades
 (``pagedweight.policy.controller``), turns it on (``KvBlockAllocator.track_reuse``).
 """

@@ -301,9 +301,9 @@ class Controller:
         floor = self._weights_over_cache_pages
         if floor is not None and kv.num_protected_blocks:
             # Downgrades below ``floor`` cost more than the protected cache they would spare:
-            # that part of the shortage is met by evicting cached blocks instead.
-            # What is short beyond the protected blocks still comes from downgrades, whatever
-            # they cost: protection never makes the scheduler preempt.
+            # that part of the shortage is met by evicting cached blocks instead. What is short
+            # beyond the protected blocks still comes from downgrades, whatever they cost:
+            # protection never makes the scheduler preempt.
             cheap_blocks = (max(0, weights - floor) + in_flight_pages) * kv.blocks_per_page
             if blocks_short > cheap_blocks:
                 give = min(kv.num_protected_blocks, blocks_short - cheap_blocks)
