@@ -7,7 +7,7 @@ Scenarios: the shipped ones named by --scenarios, and ``mooncake``: scenarios/lo
 first --mooncake-requests requests.
 
     python benchmarks/prefix_cache.py [--scenarios chat,longctx,burst,multiturn] [--policies a,b]
-                                      [--mooncake-requests 1000] [--json out.json]
+                                      [--mooncake-requests 1000] [--caching on,off] [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def run_one(path: Path, overrides: list[str], policy: str) -> dict:
     cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
     s = policy_summary(engine.requests, engine.core, run.slo, wall_s, engine.bytes_h2d)
     keys = ("prefix_cache_hit_rate", "prefill_tokens_saved", "num_evicted_blocks", "peak_kv_bytes")
-    keys += ("peak_kv_cached_bytes", "num_preemptions", "mean_ttft_ms", "num_downgrades", "completed", "num_steps")
+    keys += ("peak_kv_cached_bytes", "num_preemptions", "mean_ttft_ms", "p99_ttft_ms", "num_downgrades")
+    keys += ("mean_quality_proxy", "completed", "num_steps")
     return {k: s[k] for k in keys} | {"cpu_s": cpu_s, "wall_s": wall_s}
 
 
@@ -51,8 +52,10 @@ def main() -> int:
     ap.add_argument("--scenarios", default="chat,longctx,burst,multiturn")
     ap.add_argument("--policies", default="static-fp16,static-int4,kv-swap,paper-greedy,pagedweight")
     ap.add_argument("--mooncake-requests", type=int, default=1000)
+    ap.add_argument("--caching", default="on,off", help="on, off or both (on,off)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    modes = [{"on": True, "off": False}[m] for m in args.caching.split(",")]
     cases = [(name, ROOT / "scenarios" / f"{name}.yaml", []) for name in args.scenarios.split(",") if name]
     if not MOONCAKE.is_file():
         print(f"note: {MOONCAKE} absent; the mooncake case is skipped")
@@ -61,22 +64,26 @@ def main() -> int:
         cases.append(("mooncake", ROOT / "scenarios" / "longctx.yaml", mooncake))
     rows = []
     print("| scenario | policy | caching | hit rate | prefill tokens saved | evicted blocks | peak KV GiB "
-          "| peak cached GiB | preemptions | mean TTFT ms | downgrades | CPU s |")  # fmt: skip
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| peak cached GiB | preemptions | mean TTFT ms | p99 TTFT ms | downgrades | quality proxy "
+          "| CPU s |")  # fmt: skip
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, path, overrides in cases:
         for policy in args.policies.split(","):
-            for caching in (True, False):
+            for caching in modes:
                 r = run_one(path, [*overrides, f"memory.prefix_caching={str(caching).lower()}"], policy)
                 rows.append({"scenario": name, "policy": policy, "caching": caching, **r})
                 cells = [name, policy, "on" if caching else "off", f"{r['prefix_cache_hit_rate']:.1%}"]
                 cells += [f"{r['prefill_tokens_saved']:,}", f"{r['num_evicted_blocks']:,}"]
                 cells += [f"{r['peak_kv_bytes'] / 2**30:.1f}", f"{r['peak_kv_cached_bytes'] / 2**30:.1f}"]
-                cells += [str(r["num_preemptions"]), f"{r['mean_ttft_ms']:.0f}", str(r["num_downgrades"])]
+                cells += [str(r["num_preemptions"]), f"{r['mean_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}"]
+                cells += [str(r["num_downgrades"]), f"{r['mean_quality_proxy']:.4g}"]
                 print("| " + " | ".join([*cells, f"{r['cpu_s']:.2f}"]) + " |", flush=True)
     print("\nSimulator CPU seconds, caching on / off (same runs):")
     for name, _, _ in cases:
         on = sum(r["cpu_s"] for r in rows if r["scenario"] == name and r["caching"])
         off = sum(r["cpu_s"] for r in rows if r["scenario"] == name and not r["caching"])
+        if not on or not off:
+            continue
         steps_on = sum(r["num_steps"] for r in rows if r["scenario"] == name and r["caching"])
         steps_off = sum(r["num_steps"] for r in rows if r["scenario"] == name and not r["caching"])
         print(f"  {name:10s} on {on:7.2f} s ({steps_on:,} steps)  off {off:7.2f} s ({steps_off:,} steps)  "

@@ -90,18 +90,28 @@ def test_kv_pages_return_to_the_pool_when_their_last_block_is_freed():
 @given(
     num_pages=st.integers(1, 40),
     blocks_per_page=st.integers(1, 5),
-    ops=st.lists(st.tuples(st.sampled_from(["kv", "kvfree", "w", "wfree", "flip"]), st.integers(1, 6)), max_size=200),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["kv", "kvfree", "w", "wfree", "flip", "reserve", "kvall"]), st.integers(1, 6)),
+        max_size=200,
+    ),
 )
 def test_random_use_keeps_every_invariant(num_pages, blocks_per_page, ops):
+    """Every owner count stays true; KV never takes the free pages below the downgrade reserve
+    (unless there were fewer already), and every block it counts free can be allocated."""
     page = 1024
     pool = PagePool(num_pages * page, page_bytes=page)
     kv = KvBlockAllocator(pool, block_tokens=1, kv_bytes_per_token=page // blocks_per_page)
     kv_held: list[list[int]] = []
     w_held: list[tuple[int, np.ndarray]] = []
     for op, n in ops:
+        free_before = pool.num_free
         try:
             if op == "kv":
                 kv_held.append(kv.allocate(n))
+            elif op == "kvall" and kv.num_free_blocks:
+                kv_held.append(kv.allocate(kv.num_free_blocks))
+            elif op == "reserve":
+                kv.reserve_pages = n % 4
             elif op == "kvfree" and kv_held:
                 kv.free(kv_held.pop(n % len(kv_held)))
             elif op == "w":
@@ -118,7 +128,9 @@ def test_random_use_keeps_every_invariant(num_pages, blocks_per_page, ops):
                 pool.transfer(new, OWNER_TRANSITION, weight_owner(3))
                 w_held.append((weight_owner(3), new))
         except PoolExhausted:
-            pass
+            assert op != "kvall"
+        if op in ("kv", "kvall"):
+            assert pool.num_free >= min(free_before, kv.reserve_pages)
         pool.check()
         kv.check()
         all_kv = [b for blocks in kv_held for b in blocks]

@@ -166,13 +166,18 @@ def test_release_of_a_block_nobody_holds_is_an_error():
     num_pages=st.integers(1, 24),
     blocks_per_page=st.integers(1, 4),
     ops=st.lists(
-        st.tuples(st.sampled_from(["alloc", "free", "cache", "acquire", "weights", "wfree"]), st.integers(0, 7)),
+        st.tuples(
+            st.sampled_from(["alloc", "free", "cache", "acquire", "weights", "wfree", "reserve", "protect", "all"]),
+            st.integers(0, 7),
+        ),
         max_size=150,
     ),
 )
 def test_random_sharing_and_eviction_keep_every_invariant(num_pages, blocks_per_page, ops):
     """Holders as lists of blocks; a shared block is never freed while one still holds it, and
-    a key always names the block it was registered with."""
+    a key always names the block it was registered with. With a downgrade reserve and protected
+    blocks: a KV allocation never leaves fewer free and cached pages than the reserve (unless
+    there were fewer already), and every free block counted can be allocated."""
     pool = PagePool(num_pages * PAGE, PAGE)
     kv = KvBlockAllocator(pool, 1, PAGE // blocks_per_page)
     holders: list[list[int]] = []
@@ -180,9 +185,18 @@ def test_random_sharing_and_eviction_keep_every_invariant(num_pages, blocks_per_
     registered: dict[int, int] = {}  # key -> block, as registered
     next_key = 0
     for op, n in ops:
+        reclaimable = pool.num_free + pool.num_owned(OWNER_KV_CACHED)
         try:
             if op == "alloc":
                 holders.append(kv.allocate(n + 1))
+            elif op == "all" and kv.num_free_blocks:
+                holders.append(kv.allocate(kv.num_free_blocks))  # never refused
+            elif op == "reserve":
+                kv.reserve_pages = n % 4
+            elif op == "protect":
+                kv.protected_blocks = n if n < 6 else 10**9
+                if n == 0:
+                    kv.unprotect(1)
             elif op == "free" and holders:
                 kv.free(holders.pop(n % len(holders)))
             elif op == "cache" and holders:
@@ -204,7 +218,10 @@ def test_random_sharing_and_eviction_keep_every_invariant(num_pages, blocks_per_
             elif op == "wfree" and weights:
                 pool.free(weights.pop(n % len(weights)), weight_owner(0))
         except PoolExhausted:
-            pass
+            assert op != "all"
+        if op in ("alloc", "all"):
+            assert pool.num_free + pool.num_owned(OWNER_KV_CACHED) >= min(reclaimable, kv.reserve_pages)
+        assert kv.num_free_blocks >= 0 and kv.num_protected_blocks <= kv.num_cached_blocks
         pool.check()
         kv.check()
         counts: dict[int, int] = {}
@@ -295,14 +312,17 @@ def run_shared_workload(
     num_requests,
     with_hook,
     mode,
+    protect=False,
     private_every=0,
     private_as_shared=False,
 ):
     """Requests whose prompts extend a few shared prefixes, to the end; every invariant at every
-    step. Every ``private_every``-th request (0: none) has keys of its own, as the simulator
-    gives requests of a trace without block ids (``private_as_shared``: the same keys, not
-    marked private). Returns the steps taken, the prompt tokens served from the cache, the
-    evicted blocks, the evictable blocks in LRU order and the preemptions."""
+    step. With ``protect`` (and the hook), every cached block is protected before each step and
+    the hook lifts protection for what the weights it gives back do not cover, as
+    ``RuntimeCore`` does. Every ``private_every``-th request (0: none) has keys of its own, as
+    the simulator gives requests of a trace without block ids (``private_as_shared``: the same
+    keys, not marked private). Returns the steps taken, the prompt tokens served from the cache,
+    the evicted blocks, the evictable blocks in LRU order and the preemptions."""
     rng = np.random.default_rng(seed)
     pool, kv, s = make(
         num_pages,
@@ -316,9 +336,13 @@ def run_shared_workload(
     if with_hook:
 
         def hook(short):
+            before = kv.num_free_blocks
             give = weights[: -(-short // blocks_per_page)]
             del weights[: len(give)]
             pool.free(give, OWNER_PINNED)
+            still_short = short - (kv.num_free_blocks - before)
+            if kv.protected_blocks and still_short > 0:
+                kv.unprotect(still_short)
 
         s.pressure_hook = hook
     s.max_kv_blocks = (num_pages - (0 if with_hook else len(weights))) * blocks_per_page
@@ -338,6 +362,8 @@ def run_shared_workload(
         while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
             s.add(reqs[nxt])
             nxt += 1
+        if protect and with_hook:
+            kv.protected_blocks = 10**9
         batch = s.schedule(now)
         if not batch.requests:
             assert not s.running, "a stall with requests running"
@@ -364,6 +390,17 @@ def run_shared_workload(
     return steps, s.prefix_hit_tokens, kv.num_evicted_blocks, list(kv._evictable), s.num_preemptions
 
 
+def test_protection_never_keeps_a_hit_waiting_for_ever():
+    """Found by the property below: a waiting request whose hit takes protected blocks (so
+    protection shifts onto others) stayed short by the blocks the hook's lifting could not free;
+    with nothing running it waited for ever."""
+    steps, *_ = run_shared_workload(
+        seed=0, num_pages=8, blocks_per_page=3, block_tokens=4, max_batched=16, num_requests=17,
+        with_hook=True, mode="recompute", protect=True,
+    )  # fmt: skip
+    assert steps > 0
+
+
 def test_random_shared_prefix_workloads_keep_every_invariant():
     results: list[tuple[int, int]] = []
 
@@ -379,6 +416,7 @@ def test_random_shared_prefix_workloads_keep_every_invariant():
         num_requests=st.integers(5, 40),
         with_hook=st.booleans(),
         mode=st.sampled_from(["recompute", "swap"]),
+        protect=st.booleans(),
         private_every=st.sampled_from([0, 1, 3]),
     )
     def workload(**kw):

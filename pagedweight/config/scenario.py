@@ -174,6 +174,10 @@ class ControllerConfig(_Strict):
     rescale_interval_s: float = Field(default=_CTL.rescale_interval_s, ge=0)  # routing-drift re-scaling (0: off)
     # Under slo.tpot_ms, upgrades stop where the predicted step is within this fraction of it.
     latency_margin: float = Field(default=_CTL.latency_margin, ge=0, lt=1)
+    # Prefix caching under pagedweight: loss units that 1 s of prefix recompute per second is worth,
+    # as a multiple of the whole ladder's loss (ControllerSettings.recompute_weight; 0: cached
+    # prefixes always give way first, as under every other policy).
+    recompute_weight: float = Field(default=_CTL.recompute_weight, ge=0)
     # static-mixed: the fixed weight budget, as a fraction of every expert at the top precision.
     static_mixed_fraction: float = Field(default=CoreConfig.static_mixed_fraction, gt=0, le=1)
 

@@ -28,6 +28,7 @@ from itertools import islice
 
 import numpy as np
 
+from pagedweight.core.reuse import MIN_GHOST_BLOCKS, GhostList
 from pagedweight.core.spec import PRECISION_NAMES
 from pagedweight.errors import PoolError, PoolExhausted
 
@@ -254,6 +255,12 @@ class KvBlockAllocator:
     place; a weight allocation that finds too few free pages reclaims whole ``OWNER_KV_CACHED``
     pages (the pool's ``reclaim`` hook). A page is owned by ``OWNER_KV`` while any of its blocks
     is held by a request, by ``OWNER_KV_CACHED`` while all its used blocks are evictable.
+
+    Protection (``protected_blocks``, set by the ``pagedweight`` controller when the cache is
+    worth more than the downgrades that would spare it): that many evictable blocks are not
+    counted as free, so that a KV shortage reaches the scheduler's pressure hook (and the
+    controller) before the cache is evicted; the controller lifts it (``unprotect``) where a
+    downgrade would cost more. Evictions still take the least recently used blocks first.
     """
 
     def __init__(self, pool: PagePool, block_tokens: int, kv_bytes_per_token: int):
@@ -285,26 +292,72 @@ class KvBlockAllocator:
         # evictable exactly when its block is).
         self._evictable_in_page = np.zeros(pool.num_pages, dtype=np.int32)
         self.num_evicted_blocks = 0  # cached blocks whose key was forgotten to make room
+        # Evictable blocks not counted as free (the pagedweight controller's; 0: vLLM's rule).
+        self.protected_blocks = 0
+        # Keys of the blocks evicted last and how often requests come back for them
+        # (``track_reuse``; None: not tracked, nothing is spent on it).
+        self.ghosts: GhostList | None = None
         pool.reclaim = self._reclaim_pages
+
+    def track_reuse(self, capacity_blocks: int | None = None) -> GhostList:
+        """Keep a ghost list of evicted keys (``pagedweight.core.reuse``): by default 1/16 of the
+        pool's blocks, at least ``MIN_GHOST_BLOCKS``."""
+        if capacity_blocks is None:
+            capacity_blocks = max(MIN_GHOST_BLOCKS, self.pool.num_pages * self.blocks_per_page // 16)
+        self.ghosts = GhostList(capacity_blocks)
+        return self.ghosts
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_tokens)
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks available now: free slots in KV pages, whole free pages of the pool, and
-        evictable cached blocks. With one block a page, the downgrade reserve holds back free
-        and cached pages alike (a cached page is reclaimed for a downgrade's new pages as a free
-        one is); with several, only free pages (a cached page's blocks are counted in full)."""
-        spare_pages = self.pool.num_free - self.reserve_pages
-        if self.blocks_per_page == 1:
-            spare_pages += len(self._evictable)
-            return spare_pages if spare_pages > 0 else 0
-        return (
-            self._num_free_in_pages
-            + len(self._evictable)
-            + (spare_pages * self.blocks_per_page if spare_pages > 0 else 0)
-        )
+        """Blocks available now: free slots and evictable blocks of pages a request holds a block
+        of, and the blocks of free pages and of cached pages (``OWNER_KV_CACHED``) beyond the
+        downgrade reserve; less the protected evictable blocks. The reserve holds back free and
+        cached pages alike, whatever the blocks per page: a downgrade's new pages reclaim a
+        cached page as readily as they take a free one. Protected blocks and the reserve are
+        both subtracted (protection is lifted under pressure before anything is preempted)."""
+        pool, evictable = self.pool, len(self._evictable)
+        cached_pages = pool._count[OWNER_KV_CACHED]
+        spare_pages = pool._num_free + cached_pages - self.reserve_pages
+        bpp = self.blocks_per_page
+        # Free slots and evictable blocks outside cached pages (a cached page's blocks are all
+        # evictable or free: bpp of them).
+        n = self._num_free_in_pages + evictable - cached_pages * bpp if bpp > 1 else 0
+        if spare_pages > 0:
+            n += spare_pages * bpp
+        if self.protected_blocks:
+            n -= self.protected_blocks if self.protected_blocks < evictable else evictable
+            return n if n > 0 else 0
+        return n
+
+    def free_after_acquire(self, idle_blocks: int) -> int:
+        """``num_free_blocks`` once ``idle_blocks`` evictable blocks are taken by a request (a
+        prefix hit): they no longer count as free, and protection covers fewer blocks."""
+        free = self.num_free_blocks - idle_blocks
+        if self.protected_blocks and idle_blocks:
+            evictable = len(self._evictable)
+            before = min(self.protected_blocks, evictable)
+            free += before - min(self.protected_blocks, max(0, evictable - idle_blocks))
+        return free
+
+    @property
+    def num_protected_blocks(self) -> int:
+        """Evictable blocks protection holds back now."""
+        return min(self.protected_blocks, len(self._evictable))
+
+    @property
+    def num_protected_pages(self) -> int:
+        """Pages of the protected blocks, at most the cached pages: what an upgrade must leave."""
+        pages = -(-self.num_protected_blocks // self.blocks_per_page)
+        cached = self.pool._count[OWNER_KV_CACHED]
+        return pages if pages < cached else cached
+
+    def unprotect(self, num_blocks: int) -> None:
+        """Count ``num_blocks`` more protected blocks as free (evictable) again."""
+        held = self.num_protected_blocks
+        self.protected_blocks = held - num_blocks if num_blocks < held else 0
 
     @property
     def num_cached_blocks(self) -> int:
@@ -314,6 +367,8 @@ class KvBlockAllocator:
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > self.num_free_blocks:
             raise PoolExhausted(f"asked for {num_blocks} KV blocks; {self.num_free_blocks} free")
+        if self.blocks_per_page > 1 and self.pool.num_free < self.reserve_pages:
+            return self._allocate_within_reserve(num_blocks)
         reused: list[int] = []
         if self._evictable:
             spare_pages = self.pool.num_free - self.reserve_pages
@@ -539,12 +594,64 @@ class KvBlockAllocator:
             return 0
         return self._refs.get(block, 1)
 
+    def _allocate_within_reserve(self, num_blocks: int) -> list[int]:
+        """``allocate`` with several blocks a page and fewer free pages than the reserve: take
+        free slots and evictable blocks of pages a request holds first, and turn a cached page
+        into a KV page only while free + cached pages stay above the reserve (a downgrade's new
+        pages may need to reclaim it). Least recently used first among the blocks it may take;
+        ``num_free_blocks`` counts exactly these, so the request is always met."""
+        pool, bpp, owner_of = self.pool, self.blocks_per_page, self.pool._owner_of
+        spare = pool.num_free + pool._count[OWNER_KV_CACHED] - self.reserve_pages
+        out: list[int] = []
+        for page in [p for p in self._free_slots if owner_of[p] == OWNER_KV] + [
+            p for p in self._free_slots if owner_of[p] == OWNER_KV_CACHED
+        ]:
+            if len(out) == num_blocks:
+                break
+            if owner_of[page] == OWNER_KV_CACHED:
+                if spare <= 0:
+                    continue
+                spare -= 1
+                pool.transfer([page], OWNER_KV_CACHED, OWNER_KV)
+            slots = self._free_slots[page]
+            take = min(num_blocks - len(out), len(slots))
+            out.extend(slots[len(slots) - take :])
+            del slots[len(slots) - take :]
+            self._used_in_page[page] += take
+            self._num_free_in_pages -= take
+            if not slots:
+                del self._free_slots[page]
+        self.num_used_blocks += len(out)
+        if len(out) < num_blocks:
+            victims: list[int] = []
+            opened: set[int] = set()
+            for block in self._evictable:  # least recently used first
+                if len(out) + len(victims) == num_blocks:
+                    break
+                page = block // bpp
+                if owner_of[page] == OWNER_KV_CACHED and page not in opened:
+                    if spare <= 0:
+                        continue
+                    spare -= 1
+                    opened.add(page)
+                victims.append(block)
+            if len(out) + len(victims) < num_blocks:
+                raise PoolError(f"KV allocation of {num_blocks} blocks found only {len(out) + len(victims)}")
+            for block in victims:
+                del self._evictable[block]
+            out.extend(self._reuse(victims))
+        return out
+
     def _forget(self, block: int) -> int:
         """Evict one evictable block: its key is forgotten; returns its page."""
         del self._evictable[block]
         key = self._key_of_block.pop(block, None)
         if key is not None:  # a retired block has none
             del self._block_of_key[key]
+        if self.ghosts is not None:
+            # A retired block takes a slot in the ghost list that no lookup can hit, as its key
+            # would have: the list's contents are those of registering every block.
+            self.ghosts.add(key if key is not None else object())
         page = block // self.blocks_per_page
         if self.blocks_per_page > 1:
             self._evictable_in_page[page] -= 1
@@ -555,23 +662,38 @@ class KvBlockAllocator:
         """The ``num_blocks`` least recently used evictable blocks, evicted and handed out in
         place as blocks a request holds (their pages stay KV pages). Usually one block for a
         decode crossing into a new block once the cache fills the memory: plain Python."""
-        evictable, by_key, by_block = self._evictable, self._block_of_key, self._key_of_block
-        out = [evictable.popitem(last=False)[0] for _ in range(num_blocks)]
+        evictable = self._evictable
+        return self._reuse([evictable.popitem(last=False)[0] for _ in range(num_blocks)])
+
+    def _reuse(self, out: list[int]) -> list[int]:
+        """Evict ``out``, blocks just taken out of the evictable set, and hand them out in place."""
+        by_key, by_block = self._block_of_key, self._key_of_block
+        num_blocks = len(out)
         bpp, in_page, owner_of = self.blocks_per_page, self._evictable_in_page, self.pool._owner_of
         self.num_evicted_blocks += num_blocks
         self.num_used_blocks += num_blocks
-        if bpp == 1:  # page = block, and a page whose one block is evictable is a cached page
+        ghosts = self.ghosts
+        if ghosts is None:
             for block in out:
                 key = by_block.pop(block, None)
                 if key is not None:  # a retired block has none
                     del by_key[key]
+        else:  # their keys become ghosts (core/reuse.py): one dict store each
+            evicted = ghosts.newer
+            for block in out:
+                key = by_block.pop(block, None)
+                if key is None:
+                    key = object()  # a retired block: a slot no lookup can hit (see _forget)
+                else:
+                    del by_key[key]
+                evicted[key] = None
+            if len(evicted) >= ghosts.capacity:
+                ghosts.age()
+        if bpp == 1:  # page = block, and a page whose one block is evictable is a cached page
             self.pool.transfer_list(out, OWNER_KV_CACHED, OWNER_KV)
             return out
         to_kv: list[int] = []
         for block in out:
-            key = by_block.pop(block, None)
-            if key is not None:
-                del by_key[key]
             page = block // bpp
             in_page[page] -= 1
             if owner_of[page] == OWNER_KV_CACHED:

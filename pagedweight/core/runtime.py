@@ -260,6 +260,9 @@ class RuntimeCore:
                 self.scheduler.forecast_kv_blocks,
             )
             self.scheduler.pressure_hook = self._on_pressure
+            # pagedweight weighs cached prefixes against downgrades by their observed reuse.
+            if setup.controller_mode == "pagedweight" and cfg.prefix_caching and cfg.controller.recompute_weight > 0:
+                self.kv.track_reuse()
         self.quality_proxy = self.quality_recount()
         self.precision_grid = self.page_table.precision_ids.reshape(model.num_moe_layers, model.num_experts)
         # With a history window (a server runs for days) only the newest steps and transitions
@@ -358,7 +361,15 @@ class RuntimeCore:
 
     # ---- precision changes --------------------------------------------------------------------
     def _on_pressure(self, blocks_short: int) -> None:
+        kv = self.kv
+        free_before = kv.num_free_blocks
         self.apply(self.controller.on_pressure(blocks_short, self.clock()))
+        # Whatever the downgrades did not free (one found no room, or the floor is reached) comes
+        # from the protected cached blocks: protection never makes the scheduler preempt.
+        if kv.protected_blocks:
+            still_short = blocks_short - (kv.num_free_blocks - free_before)
+            if still_short > 0:
+                kv.unprotect(still_short)
 
     def plan_step(self) -> None:
         if self.controller is not None:
@@ -465,5 +476,5 @@ class RuntimeCore:
         )
         self._counters = [0, 0, 0, 0]
         if self.controller is not None:
-            self.controller.observe_step(duration_s)
+            self.controller.observe_step(duration_s, shape.num_prefill_tokens, shape.num_decodes)
         self._prefix_seen = (sched.prefix_hit_tokens, self.kv.num_evicted_blocks)

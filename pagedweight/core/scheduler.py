@@ -359,7 +359,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             if req.block_hashes is not None and self.prefix_caching:
-                self._count_prefix(req, hit, looked_up=not resume_at)
+                self._count_prefix(req, hit, not resume_at, now_s)
             if resume_at:
                 batch.swapped_in_tokens += resume_at
                 req.swapped_tokens = 0
@@ -480,12 +480,19 @@ class Scheduler:
         n, idle = kv.lookup(req.block_hashes, limit)
         num_new = min(req.num_tokens - n * bt, budget)
         need = -(-(n * bt + num_new) // bt) - n
-        free = kv.num_free_blocks - idle
+        free = kv.free_after_acquire(idle)
         if need > free and self.pressure_hook is not None:
             self.pressure_hook(need - free)
             n, idle = kv.lookup(req.block_hashes, limit)  # the hook may have reclaimed cached pages
             need = -(-(n * bt + min(req.num_tokens - n * bt, budget)) // bt) - n
-            free = kv.num_free_blocks - idle
+            free = kv.free_after_acquire(idle)
+        if need > free and kv.protected_blocks:
+            # The hook lifts protection by the shortfall, which the hit's own protected blocks
+            # can absorb (taking them shifts protection onto others): lift it all rather than
+            # keep waiting a request the unprotected cache would admit (with nothing running,
+            # for ever).
+            kv.unprotect(kv.protected_blocks)
+            free = kv.free_after_acquire(idle)
         if need > free:
             return -1
         blocks = kv.acquire(req.block_hashes, n) if n else []
@@ -499,14 +506,20 @@ class Scheduler:
         req.block_ids = []
         req.num_cached_blocks = 0
 
-    def _count_prefix(self, req: Request, hit_tokens: int, looked_up: bool) -> None:
-        """An admitted request: count its lookup (a swapped-out one resuming made none), and
+    def _count_prefix(self, req: Request, hit_tokens: int, looked_up: bool, now_s: float) -> None:
+        """An admitted request: count its lookup (a swapped-out one resuming made none), and its
+        blocks missed that were evicted lately (the allocator's ghost list, when kept), and
         register its blocks as they complete."""
         if looked_up:
             self.prefix_query_tokens += req.prompt_tokens
             self.prefix_hit_tokens += hit_tokens
             if req.first_scheduled_s is None:
                 req.cached_tokens = hit_tokens
+            ghosts = self.kv.ghosts
+            if ghosts is not None:
+                bt = self.kv.block_tokens
+                limit = min(len(req.block_hashes), (req.prompt_tokens - 1) // bt)
+                ghosts.count_hits(req.block_hashes, hit_tokens // bt, limit, now_s)
         if req.num_cached_blocks < len(req.block_hashes) and not (req.prefix_private and not req.num_preemptions):
             self._prefix_pending[req] = None
 

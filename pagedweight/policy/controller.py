@@ -16,6 +16,14 @@ Rules, per policy (``pagedweight.policy.policies``):
   flight), and never for an expert changed less than ``min_dwell_s`` ago. Under a TPOT SLO (and
   a step-time model from the runtime) upgrades stop where the predicted step nears the SLO and
   a step predicted past it downgrades, if a cheaper map meets it (``latency_cap``).
+- ``pagedweight`` and prefix caching: cached prefix blocks are weighed against downgrades by
+  what each costs (``_protect``): evicting a block costs the prefill its expected reuse would
+  have saved (the ghost list's observed hit rate, ``pagedweight.core.reuse``, times the recent
+  seconds per computed token), priced in loss by ``recompute_weight``; a downgrade costs its
+  loss per freed byte (the marginal planner's segments). The blocks worth more than the
+  downgrades that would make room for them are protected: KV does not count them free, so a
+  shortage reaches ``on_pressure``, which downgrades only as far as that is cheaper and then
+  lifts protection. Every other policy evicts cached blocks first, as vLLM does.
 - ``paper-greedy``: the paper's scheme: every step, re-plan with ``paper-greedy`` for the memory
   KV leaves right now and apply every difference, with no forecast, budget or hysteresis.
 - Static policies never change anything; ``kv-swap`` swaps KV instead (scheduler).
@@ -51,6 +59,11 @@ class ChangeKind(Enum):
 DOWNGRADE, UPGRADE, ABORT = ChangeKind.DOWNGRADE, ChangeKind.UPGRADE, ChangeKind.ABORT
 ROUTED_BLOCK_STEPS = 256
 STEP_EMA_WEIGHT = 1 / 256
+# Seconds per computed token: an EMA over ~32 prefill-heavy steps (at least PREFILL_SAMPLE_TOKENS
+# prefill tokens, and no fewer than the step's decodes), where a token's cost is mostly compute,
+# as a recomputed prefix's is.
+TOKEN_EMA_WEIGHT = 1 / 32
+PREFILL_SAMPLE_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +93,19 @@ class ControllerSettings:
     tpot_slo_s: float | None = None
     # Upgrades only while their plan's step is predicted within (1 - margin) of the SLO.
     latency_margin: float = 0.1
+    # Prefix caching under pagedweight: the exchange rate between recompute time and quality.
+    # Keeping the GPU busy recomputing evicted prefixes all the time (1 s of recompute per
+    # second) is counted as bad as this many times the loss of the whole precision ladder
+    # (every expert at its lowest precision instead of its highest, the table's own units).
+    # 1.0: the two worst cases of their axes weigh the same, so a cached page is kept while
+    # the fraction of GPU time its reuse saves is larger than the fraction of the ladder's loss
+    # the downgrade sparing it would cost. 0: cached blocks always give way first (vLLM's rule,
+    # which every other policy keeps).
+    recompute_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.recompute_weight >= 0:
+            raise ConfigError(f"controller.recompute_weight(={self.recompute_weight}) must be >= 0")
 
 
 class Controller:
@@ -138,6 +164,12 @@ class Controller:
         self.step_time_s: StepTimeModel | None = None
         self._step_ema_s = 0.0  # recent steps' mean duration: what a decoding request's TPOT is
         self._floor_ids = np.full(page_table.num_experts, self.ladder_ids[-1], dtype=page_table.precision_ids.dtype)
+        # Prefix cache against downgrades (pagedweight; RuntimeCore turns on the allocator's
+        # ghost list when prefix caching is on): seconds per computed token, and the weight
+        # pages worth more than the cache's pages at its current value (the lowest that
+        # protection may push the weights to; None while nothing is protected).
+        self._token_ema_s = 0.0
+        self._weights_over_cache_pages: int | None = None
 
     def _use_table(self, table: ImportanceTable) -> None:
         self.table = table.replace(bytes=self._page_bytes_grid)
@@ -186,9 +218,42 @@ class Controller:
         return sum(len(t.pages) for t in self.page_table.in_flight.values())
 
     def _available_weight_pages(self, extra_kv_pages: int, headroom_pages: int) -> int:
+        """Pages weights may hold: the pool less pinned weights, KV held, ``extra_kv_pages``,
+        ``headroom_pages`` and the downgrade reserve. Cached prefix pages count as available."""
         pool = self.pool
         kv_pages = pool.num_owned(OWNER_KV) + extra_kv_pages
         return pool.num_pages - pool.num_owned(OWNER_PINNED) - kv_pages - headroom_pages - self.kv.reserve_pages
+
+    # ---- prefix cache against downgrades (pagedweight) --------------------------------------------
+    def cache_page_value(self, now_s: float) -> float:
+        """What keeping one page of the cached blocks next in line for eviction is worth, in
+        loss units: its blocks' expected reuse (ghost hits per second per block) times the
+        seconds their tokens' prefill costs, priced by ``recompute_weight`` x the ladder's loss
+        span. 0 when nothing has been observed yet (then the cache gives way first)."""
+        kv, ghosts = self.kv, self.kv.ghosts
+        if ghosts is None or self._token_ema_s <= 0 or self._planner is None:
+            return 0.0
+        recompute_s_per_s = ghosts.hit_rate_per_block(now_s) * self._token_ema_s * kv.block_tokens
+        return self.settings.recompute_weight * self._planner.loss_span * recompute_s_per_s * kv.blocks_per_page
+
+    def _protect(self, room_pages: int, now_s: float) -> int:
+        """Protect the cached blocks worth more than the downgrades that would make room for them,
+        given ``room_pages`` for weights and cache together; returns the pages protected. The
+        weights keep first every plan step that recovers more loss per byte than a cached page
+        is worth; the cache gets what is left, up to its size; steps worth less come after it."""
+        kv = self.kv
+        evictable = kv.num_cached_blocks
+        value = self.cache_page_value(now_s) if evictable else 0.0
+        if value <= 0.0:
+            kv.protected_blocks = 0
+            self._weights_over_cache_pages = None
+            return 0
+        page_bytes = self.pool.page_bytes
+        over = -(-self._planner.bytes_worth(value / page_bytes) // page_bytes)
+        protected = min(evictable, max(0, room_pages - over) * kv.blocks_per_page)
+        kv.protected_blocks = protected
+        self._weights_over_cache_pages = over if protected else None
+        return -(-protected // kv.blocks_per_page)
 
     def _pins(self) -> np.ndarray | None:
         if not self.page_table.in_flight:
@@ -228,10 +293,27 @@ class Controller:
     def on_pressure(self, blocks_short: int, now_s: float) -> list[Change]:
         """KV is ``blocks_short`` blocks short right now: free pages before anyone is preempted.
         Upgrades in flight are abandoned first (their new pages come back at once)."""
-        need_pages = -(-blocks_short // self.kv.blocks_per_page)
+        kv = self.kv
+        need_pages = -(-blocks_short // kv.blocks_per_page)
         in_flight_pages = self._in_flight_pages()
         margin = int(self.settings.low_watermark * self.pool.num_pages) if self.mode == "pagedweight" else 0
-        budget = self.pool.num_weight_pages() - max(0, need_pages - in_flight_pages)
+        weights = self.pool.num_weight_pages()
+        floor = self._weights_over_cache_pages
+        if floor is not None and kv.num_protected_blocks:
+            # Downgrades below ``floor`` cost more than the protected cache they would spare:
+            # that part of the shortage is met by evicting cached blocks instead. What is short
+            # beyond the protected blocks still comes from downgrades, whatever they cost:
+            # protection never makes the scheduler preempt.
+            cheap_blocks = (max(0, weights - floor) + in_flight_pages) * kv.blocks_per_page
+            if blocks_short > cheap_blocks:
+                give = min(kv.num_protected_blocks, blocks_short - cheap_blocks)
+                kv.unprotect(give)
+                blocks_short -= give
+                need_pages = -(-blocks_short // kv.blocks_per_page)
+            if blocks_short <= 0:
+                return []
+            margin = min(margin, max(0, weights - max(0, need_pages - in_flight_pages) - floor))
+        budget = weights - max(0, need_pages - in_flight_pages)
         changes = self._shrink_to(budget - margin, fallback_pages=budget)
         self._mark(changes, now_s)
         return changes
@@ -260,6 +342,8 @@ class Controller:
         low = int(s.low_watermark * self.pool.num_pages)
         high = int(s.high_watermark * self.pool.num_pages)
         room = self._available_weight_pages(forecast_pages, low)
+        if self.kv.ghosts is not None:
+            room -= self._protect(room, now_s)
         spare = room - self.weight_pages()
         if spare < 0:
             changes = self._shrink_to(room)
@@ -288,13 +372,21 @@ class Controller:
     def _floor_pages(self) -> int:
         return -(-int(self._problem.min_bytes.sum()) // self.pool.page_bytes)
 
-    def observe_step(self, duration_s: float) -> None:
+    def observe_step(self, duration_s: float, prefill_tokens: int = 0, decodes: int = 0) -> None:
         """A step's duration: each running request got one token from it, so the recent mean is
-        the TPOT a decoding request sees (an EMA over ~256 steps, about one output)."""
+        the TPOT a decoding request sees (an EMA over ~256 steps, about one output). A
+        prefill-heavy step also gives the seconds a computed token costs (what a cached block
+        saves), learnt the same way in both runtimes."""
         if self._step_ema_s == 0.0:
             self._step_ema_s = duration_s
         else:
             self._step_ema_s += STEP_EMA_WEIGHT * (duration_s - self._step_ema_s)
+        if prefill_tokens >= PREFILL_SAMPLE_TOKENS and prefill_tokens >= decodes:
+            per_token_s = duration_s / (prefill_tokens + decodes)
+            if self._token_ema_s == 0.0:
+                self._token_ema_s = per_token_s
+            else:
+                self._token_ema_s += TOKEN_EMA_WEIGHT * (per_token_s - self._token_ema_s)
 
     def _tpot_model(self):
         """Predicted TPOT for a precision map: the recent mean step, plus what the runtime's model
@@ -414,8 +506,9 @@ class Controller:
             gain = self.table.dloss[grow, cur_lv] - self.table.dloss[grow, tgt_lv]
             cost = np.maximum(1, self.table.bytes[grow, tgt_lv])
             grow = grow[np.argsort(-gain / cost, kind="stable")]
-        # Cached prefix pages count as free: an upgrade's allocation evicts them (PagePool.reclaim).
-        free = self.pool.num_available - self.kv.reserve_pages + extra_free_pages
+        # Cached prefix pages count as free, less protected ones: an upgrade's allocation evicts
+        # them (PagePool.reclaim).
+        free = self.pool.num_available - self.kv.reserve_pages - self.kv.num_protected_pages + extra_free_pages
         in_flight_bytes = sum(t.num_bytes for t in pt.in_flight.values())
         changes = []
         for e in grow.tolist():

@@ -96,6 +96,8 @@ class MarginalPlanner:
         self.seg_to = to[expert, chain][order].astype(np.int8)
         self.seg_bytes = dbytes[expert, chain][order]
         self.seg_gain = gain[expert, chain][order]
+        # Loss recovered per byte of each segment, non-increasing in this order (the sort key).
+        self.seg_ratio = ratio[expert, chain][order]
         self.cum_bytes = np.concatenate([[0], np.cumsum(self.seg_bytes)])
         self.cum_gain = np.concatenate([[0.0], np.cumsum(self.seg_gain)])
         # Sorted position of each segment's predecessor in its expert's chain (-1: the first).
@@ -114,6 +116,17 @@ class MarginalPlanner:
     @property
     def num_segments(self) -> int:
         return len(self.seg_bytes)
+
+    def bytes_worth(self, loss_per_byte: float) -> int:
+        """Bytes of the plan that takes every segment recovering at least ``loss_per_byte`` loss
+        per byte, and no other: weights worth more than memory valued at that rate."""
+        k = int(np.searchsorted(-self.seg_ratio, -loss_per_byte, side="right"))
+        return self.base_bytes + int(self.cum_bytes[k])
+
+    @property
+    def loss_span(self) -> float:
+        """Loss of every expert at its cheapest option less that of every expert at its best."""
+        return float(self.cum_gain[-1])
 
     def _walk(self, position: int) -> None:
         """Move the applied prefix to ``position``. Along a hull bytes rise, so levels fall: the

@@ -8,6 +8,7 @@ away (upgrades), and the routing of random prompts differs from the table's, so 
 re-scales its losses on the way. The second test shows the comparison has teeth: a simulator
 whose controller does not see the routing decides differently."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,7 @@ def recorder(core, out):
                 "changes": [(c.kind.value, c.expert, c.to_id) for c in step.changes],
                 "routing": step.routing,
                 "in_flight_after": len(core.page_table.in_flight),
+                "protected": core.kv.num_protected_blocks,
             }
         )
 
@@ -65,6 +67,10 @@ def transitions(core):
 
 @pytest.fixture(scope="module")
 def engine_run():
+    return run_engine(CONTROLLER)
+
+
+def run_engine(controller: ControllerSettings):
     if not (MODEL / "model.safetensors").is_file():
         pytest.skip("needs models/tiny-moe")
     probe = Engine(MODEL, EngineConfig(CoreConfig(budget_bytes=256 << 20), "static-fp16", dtype="float32"))
@@ -76,7 +82,7 @@ def engine_run():
     # Promises of only 4 outputs at admission: the decodes outgrow them, so preemption happens
     # under forecast admission too.
     sched = SchedulerConfig(admission_reserve_tokens=4)
-    core_cfg = CoreConfig(budget_bytes=budget, controller=CONTROLLER, scheduler=sched)
+    core_cfg = CoreConfig(budget_bytes=budget, controller=controller, scheduler=sched)
     cfg = EngineConfig(core_cfg, "pagedweight", dtype="float32")
     table = synthetic_table(spec, ("bf16", "fp8", "int8", "int4"))
     eng = Engine(MODEL, cfg, table, FixedStepClock(STEP_S))
@@ -131,3 +137,16 @@ def test_a_simulator_blind_to_routing_decides_otherwise(engine_run, monkeypatch)
     monkeypatch.setattr(Controller, "observe_routing", lambda self, tokens_per_expert: None)
     sim, sim_steps = simulate(eng, table, steps)
     assert decisions(sim_steps) != decisions(steps) or transitions(sim.core) != transitions(eng.core)
+
+
+def test_protected_prefixes_are_decided_alike():
+    """pagedweight with a cache priced high enough to be protected (the engine learns a token's
+    prefill seconds from its own steps, as the simulator does): the same protection, downgrades,
+    evictions and preemptions step by step."""
+    eng, table, steps = run_engine(replace(CONTROLLER, recompute_weight=1e4))
+    assert max(s["protected"] for s in steps) > 0, "the cache was never protected"
+    sim, sim_steps = simulate(eng, table, steps)
+    assert decisions(steps) == decisions(sim_steps)
+    assert transitions(eng.core) == transitions(sim.core)
+    assert eng.core.kv.ghosts.num_hits == sim.core.kv.ghosts.num_hits > 0
+    assert eng.core.kv.num_evicted_blocks == sim.core.kv.num_evicted_blocks

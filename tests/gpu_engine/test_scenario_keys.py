@@ -73,6 +73,7 @@ SCENARIO = {
         "plan_interval_s": 0.01,
         "rescale_interval_s": 3.0,
         "latency_margin": 0.25,
+        "recompute_weight": 0.3,
         "static_mixed_fraction": 0.7,
     },
     "policies": POLICIES,
