@@ -1,0 +1,154 @@
+"""``pwgpu run --ep N`` (``pwgpu.ep_launch``) and the ranks' agreement on every step
+(``pwgpu.ep_agree``), on two gloo ranks of the trained tiny model on the CPU.
+
+- A scenario with ``parallel: {ep: 2}`` runs on two ranks by itself and gives the greedy tokens
+  of the single-process run (``--ep 1`` overrides the key).
+- Two ranks with different budgets (so different pools, and only the tight one's controller
+  downgrades) still agree on every batch: every request finishes, no hang, the KV in use is the
+  same on both ranks every step, and the roomy rank 0 admits only what the tight rank can hold.
+- Bad ``--ep`` values fail in one line (exit 2) before any rank starts.
+
+Each command runs in a process group of its own (``tests/proc.py``): on a hang or a failure the
+group, rank processes included, is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from pagedweight.core.spec import load_model
+
+import proc
+
+HERE = Path(__file__).resolve().parent
+MODEL = HERE.parents[1] / "models" / "tiny-moe"
+TEXT = HERE.parents[1] / "data" / "eval" / "shakespeare.txt"
+WORKER = HERE / "ep_launch_worker.py"
+MIB = 1 << 20
+
+needs_model = pytest.mark.skipif(not (MODEL / "model.safetensors").is_file(), reason="needs models/tiny-moe")
+
+# fp32 compute (the spec counts 4-byte pinned weights and KV), so that the ranks' summed expert
+# outputs match one process's to rounding and greedy tokens agree exactly.
+SCENARIO = {
+    "name": "ep-launch",
+    "model": "tiny-moe-fp32.yaml",
+    "gpu": "cpu",
+    "memory": {"budget": "64 MiB", "page_bytes": "64 KiB", "kv_block_tokens": 16,
+               "precisions": ["bf16", "fp8", "int8", "int4"]},
+    "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_qps": 200.0},
+                 "lengths": {"kind": "fixed", "prompt_tokens": 64, "output_tokens": 8}, "num_requests": 6},
+    "scheduler": {"max_num_batched_tokens": 512, "max_num_seqs": 8},
+    "policies": ["static-fp16"],
+}  # fmt: skip
+
+
+def _scenario(tmp_path: Path, **changes) -> Path:
+    spec = load_model("tiny-moe").model_dump(mode="json") | {"dtype_bytes": 4}
+    (tmp_path / "tiny-moe-fp32.yaml").write_text(yaml.safe_dump(spec))
+    path = tmp_path / "scenario.yaml"
+    path.write_text(yaml.safe_dump({**SCENARIO, **changes}))
+    return path
+
+
+def _pwgpu_run(scenario: Path, out: Path, *extra: str, quiet_s: float = 20):
+    cmd = [sys.executable, "-m", "pwgpu.cli", "run", "--scenario", scenario, "--model", MODEL, "--dtype", "float32",
+           "--out", out, *extra]  # fmt: skip
+    return proc.run(cmd, quiet_s=quiet_s)
+
+
+def _tokens(out: Path) -> dict[int, list[int]]:
+    rows = [json.loads(line) for line in (out / "tokens.jsonl").read_text().splitlines()]
+    return {r["request_id"]: r["output_ids"] for r in rows if r["kind"] == "request"}
+
+
+@pytest.mark.e2e
+@needs_model
+def test_scenario_parallel_ep_gives_the_single_process_tokens(tmp_path):
+    scenario = _scenario(tmp_path, parallel={"ep": 2})
+    one = _pwgpu_run(scenario, tmp_path / "one", "--ep", "1", "--prompt-text", TEXT)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _pwgpu_run(scenario, tmp_path / "two", "--prompt-text", TEXT)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "static-fp16   6/6 done" in two.stdout
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["expert_parallel"]["ranks"] == 2 and summary["expert_parallel"]["backend"] == "gloo"
+    assert summary["model"] == "tiny-moe/ep2"
+    assert "expert_parallel" not in json.loads((tmp_path / "one" / "summary.json").read_text())
+    single, ep = _tokens(tmp_path / "one"), _tokens(tmp_path / "two")
+    assert len(single) == 6 and all(len(t) == 8 for t in single.values())
+    assert ep == single
+
+
+@pytest.mark.e2e
+@needs_model
+def test_ranks_with_different_pools_agree_on_every_batch(tmp_path):
+    """Rank 1 gets less than half rank 0's budget: under the dynamic policy only its controller
+    downgrades. Scheduling on rank 0's pool alone would admit what rank 1 cannot hold."""
+    scenario = _scenario(
+        tmp_path,
+        policies=["static-fp16", "pagedweight"],
+        workload={**SCENARIO["workload"], "lengths": {"kind": "fixed", "prompt_tokens": 256, "output_tokens": 16},
+                  "num_requests": 12},
+    )  # fmt: skip
+    out = tmp_path / "out"
+    done = proc.run([sys.executable, WORKER, scenario, MODEL, out, 64 * MIB, 28 * MIB], quiet_s=20)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for policy in ("static-fp16", "pagedweight"):
+        first, second = ranks[0][policy], ranks[1][policy]
+        assert len(first["states"]) == 12
+        assert set(first["states"].values()) == set(second["states"].values()) == {"finished"}
+        assert first["kv_blocks_used"] == second["kv_blocks_used"]  # the same batches, step by step
+    dyn = [r["pagedweight"]["num_transitions"]["downgrade"] for r in ranks]
+    assert dyn[0] == 0 and dyn[1] > 0  # their precision maps differ
+    # Static: rank 1's pool bounds the KV in use; dynamic: rank 1 downgrades to make room for more.
+    static_kv = max(ranks[0]["static-fp16"]["kv_blocks_used"])
+    assert static_kv < max(ranks[0]["pagedweight"]["kv_blocks_used"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert {p: s["completed"] for p, s in summary["policies"].items()} == {"static-fp16": 12, "pagedweight": 12}
+
+
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    from pwgpu.cli import main
+
+    code = main(["run", *args])
+    return code, capsys.readouterr().err.strip()
+
+
+@needs_model
+def test_ep_that_does_not_split_the_experts_is_one_line(tmp_path, capsys):
+    code, err = _cli(capsys, "--scenario", str(_scenario(tmp_path)), "--model", str(MODEL), "--dtype", "float32",
+                     "--out", str(tmp_path / "out"), "--ep", "3")  # fmt: skip
+    assert code == 2 and "\n" not in err
+    assert "8 routed experts per MoE layer" in err and "allowed: 1, 2, 4, 8" in err
+    assert not (tmp_path / "out").exists()
+
+
+@needs_model
+def test_ep_on_missing_gpus_is_one_line(tmp_path, capsys):
+    found = torch.cuda.device_count()
+    want = next((n for n in (2, 4, 8) if n > found), None)
+    if want is None:
+        pytest.skip("this machine has a GPU for every rank of any --ep the tiny model allows")
+    code, err = _cli(capsys, "--scenario", str(_scenario(tmp_path)), "--model", str(MODEL), "--device", "cuda",
+                     "--dtype", "float32", "--out", str(tmp_path / "out"), "--ep", str(want))  # fmt: skip
+    assert code == 2 and "\n" not in err
+    assert f"needs {want} GPUs (one per rank); {found} found" in err
+
+
+@needs_model
+def test_scenario_ep_that_does_not_split_the_experts_is_one_line(tmp_path, capsys):
+    code, err = _cli(capsys, "--scenario", str(_scenario(tmp_path, parallel={"ep": 3})), "--out", str(tmp_path / "o"))
+    assert code == 2 and "\n" not in err and "parallel.ep" in err and "allowed: 1, 2, 4, 8" in err
+
+
+def test_ep_must_be_positive(tmp_path, capsys):
+    code, err = _cli(capsys, "--trace", "x.csv", "--mem-budget", "64MiB", "--out", str(tmp_path / "o"), "--ep", "0")
+    assert code == 2 and err.endswith("--ep(=0) must be >= 1")
