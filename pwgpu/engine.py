@@ -415,6 +415,7 @@ class Engine:
         return {"expert_parallel": {
             "ranks": self.ep.world, "backend": torch.distributed.get_backend(),
             "results_of": "rank 0: its pool, page table, transitions and steps; every rank served every request",
+            "prefix_caching": self.core.scheduler.prefix_caching,
         }}  # fmt: skip
 
     def write_results(self, out_dir: str | Path, scenario: str = "serve", trace: dict | None = None) -> dict:

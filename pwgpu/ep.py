@@ -120,13 +120,14 @@ class EpExperts:
         return y
 
 
-def spawn_ranks(world: int, fn, args: tuple, init_file: str, backend: str = "gloo") -> None:
+def spawn_ranks(world: int, fn, args: tuple, init_file: str, backend: str = "gloo", join: bool = True):
     """Run ``fn(rank, world, *args)`` in ``world`` processes joined in one process group
     (initialised from ``init_file``, which must not exist yet); returns when all are done and
-    raises if any failed."""
+    raises if any failed. ``join=False``: returns at once with the processes'
+    ``ProcessContext`` (``.processes``; ``.join()`` until it returns True)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(world, fn, args, init_file, backend), nprocs=world, join=True)
+    return mp.spawn(_rank_main, args=(world, fn, args, init_file, backend), nprocs=world, join=join)
 
 
 def _rank_main(rank: int, world: int, fn, args: tuple, init_file: str, backend: str) -> None:

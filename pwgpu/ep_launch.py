@@ -10,6 +10,9 @@ command's one-line error; the other ranks are stopped with it.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -57,19 +60,33 @@ def rank_device(rank: int, backend: str) -> str:
     return f"cuda:{rank}"
 
 
-def launch(world: int, backend: str, fn, args: tuple) -> None:
+def launch(world: int, backend: str, fn, args: tuple, forward_signals: bool = False) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks; returns when all are done. A project
-    error on any rank is raised here as one ``PagedWeightError`` (the lowest rank's)."""
+    error on any rank is raised here as one ``PagedWeightError`` (the lowest rank's).
+    ``forward_signals``: SIGTERM and SIGINT to this process become a SIGTERM to rank 0, which
+    then stops the others in order (a server: ``pwgpu serve --ep N``)."""
     from pwgpu.ep import spawn_ranks
 
     with tempfile.TemporaryDirectory(prefix="pwgpu-ep-") as tmp:
+        ctx = spawn_ranks(world, _guarded, (fn, args, tmp), str(Path(tmp) / "init"), backend, join=False)
+
+        def to_rank0(signum, frame) -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(ctx.processes[0].pid, signal.SIGTERM)
+
+        caught = (signal.SIGTERM, signal.SIGINT) if forward_signals else ()
+        before = {sig: signal.signal(sig, to_rank0) for sig in caught}
         try:
-            spawn_ranks(world, _guarded, (fn, args, tmp), str(Path(tmp) / "init"), backend)
+            while not ctx.join():
+                pass
         except Exception:
             said = sorted(Path(tmp).glob("error.rank*"), key=lambda p: int(p.name[len("error.rank") :]))
             if said:
                 raise PagedWeightError(said[0].read_text()) from None
             raise
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
 
 
 def _guarded(rank: int, world: int, fn, args: tuple, err_dir: str) -> None:
@@ -82,14 +99,18 @@ def _guarded(rank: int, world: int, fn, args: tuple, err_dir: str) -> None:
 
 
 def rank_engine(model_dir, cfg, table=None, clock=None):
-    """This rank's engine, agreeing with the other ranks (``pwgpu.ep_agree``). A policy that
-    cannot run on some rank's budget is infeasible on all (``PolicyInfeasible`` everywhere, with
-    the first such rank's reason)."""
+    """This rank's engine, agreeing with the other ranks (``pwgpu.ep_agree``), without prefix
+    caching (each rank's cache could keep other blocks, so a prefix hit could differ). A policy
+    that cannot run on some rank's budget is infeasible on all (``PolicyInfeasible`` everywhere,
+    with the first such rank's reason)."""
+    import dataclasses
+
     from pwgpu.engine import Engine
     from pwgpu.ep import EpGroup
     from pwgpu.ep_agree import Channel, attach
 
     group = EpGroup.current()
+    cfg = dataclasses.replace(cfg, core=dataclasses.replace(cfg.core, prefix_caching=False))
     engine, why = None, None
     try:
         engine = Engine(model_dir, cfg, table, clock, ep=group)

@@ -75,7 +75,7 @@ def scenario_engine_config(
     scenario's ``CoreConfig`` (so its model must be the checkpoint's) and bf16 compute, the
     2-byte weights and KV the simulator counts, unless ``dtype`` says otherwise. ``ep``: the
     expert-parallel ranks it runs on (default: the scenario's ``parallel.ep``), each with the
-    scenario's budget, as in the simulator, and without prefix caching (``pwgpu.ep_agree``)."""
+    scenario's budget, as in the simulator (``memory.budget`` is per GPU)."""
     ep = run.ep if ep is None else ep
     if ep > 1 and run.ep_placement != "contiguous":
         raise ConfigError(
@@ -87,8 +87,7 @@ def scenario_engine_config(
             f"scenario {run.name}: cluster.replicas={run.replicas}: the engine runs one replica; "
             "clusters are simulated (pwsim run); allowed here: replicas 1"
         )
-    core = dataclasses.replace(run.core, prefix_caching=False) if ep > 1 else run.core
-    return EngineConfig(core=core, device=device, dtype=dtype or SCENARIO_DTYPE)
+    return EngineConfig(core=run.core, device=device, dtype=dtype or SCENARIO_DTYPE)
 
 
 def policy_engine(

@@ -92,8 +92,6 @@ class _Job:
             self._from_options(args, leader)
 
     def _from_options(self, args: argparse.Namespace, leader: bool) -> None:
-        import dataclasses
-
         from pagedweight.core.spec import load_model
         from pagedweight.errors import PagedWeightError
         from pagedweight.workload.build import scale_rate, take
@@ -116,8 +114,6 @@ class _Job:
             trace = scale_rate(trace, args.rate_scale)
         self.ep = args.ep or 1
         core = core_options.core_config(args)
-        if self.ep > 1:  # each rank's prefix cache could keep other blocks (pwgpu.ep_agree)
-            core = dataclasses.replace(core, prefix_caching=False)
         self.base = EngineConfig(core, importance=args.importance, device=args.device, dtype=args.dtype)
         self.trace, self.policies, self.table, self.seed = trace, policies, None, args.seed
         self.extra = {}

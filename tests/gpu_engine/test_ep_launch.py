@@ -152,3 +152,77 @@ def test_scenario_ep_that_does_not_split_the_experts_is_one_line(tmp_path, capsy
 def test_ep_must_be_positive(tmp_path, capsys):
     code, err = _cli(capsys, "--trace", "x.csv", "--mem-budget", "64MiB", "--out", str(tmp_path / "o"), "--ep", "0")
     assert code == 2 and err.endswith("--ep(=0) must be >= 1")
+
+
+def _one_process_tokens(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from pagedweight.core.runtime import CoreConfig
+    from pwgpu.engine import Engine, EngineConfig
+    from pwgpu.sampling import SamplingParams
+
+    cfg = EngineConfig(CoreConfig(budget_bytes=64 * MIB), policy="static-fp16", device="cpu", dtype="float32")
+    engine = Engine(MODEL, cfg)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ers = [engine.add(p, params) for p in prompts]
+    engine.run()
+    return [er.output_ids for er in ers]
+
+
+def _group_ends(pgid: int, quiet_s: float) -> bool:
+    """Whether every process of the group is gone within the hang guard of ``quiet_s``."""
+    import os
+    import time
+
+    deadline = time.monotonic() + proc.hang_guard_s(quiet_s)
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.e2e
+@needs_model
+def test_serve_ep_answers_as_one_process_and_stops_in_order(tmp_path):
+    """``pwgpu serve --ep 2``: rank 0 answers HTTP, both ranks compute every step; concurrent
+    greedy completions are the single-process engine's; SIGTERM to the command stops rank 0,
+    which stops rank 1, writes the results and leaves no process behind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from server_process import API_KEY, serve
+
+    from pwgpu.tokenizer import Tokenizer
+
+    prompts = [[5, 17, 42, 9, 33, 71, 2, 60], [7, 3, 88, 19, 64, 21, 50, 11, 45, 8, 30, 1, 2], [100, 200, 300]]
+    want = [Tokenizer(MODEL).decode(ids) for ids in _one_process_tokens(prompts, 8)]
+    args = ("--model", str(MODEL), "--ep", "2", "--policy", "static-fp16", "--dtype", "float32")
+    with serve(tmp_path, *args) as (url, server):
+
+        def complete(prompt):
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120,
+                           headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(complete, prompts))
+        assert got == want
+        server.terminate()
+        assert server.wait(timeout=proc.hang_guard_s(8)) == 0
+        assert _group_ends(server.pid, quiet_s=1)  # the ranks (and multiprocessing's tracker) end with it
+    summary = json.loads((tmp_path / "results" / "summary.json").read_text())
+    assert summary["expert_parallel"]["ranks"] == 2
+    assert summary["policies"]["static-fp16"]["completed"] == 3
+    assert "rank 0 of 2 expert-parallel ranks" in (tmp_path / "server.log").read_text()
+
+
+@needs_model
+def test_serve_ep_that_does_not_split_the_experts_is_one_line(capsys):
+    from pwgpu.cli import main
+
+    assert main(["serve", "--model", str(MODEL), "--ep", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "do not split across 5 ranks; allowed: 1, 2, 4, 8" in err
