@@ -115,6 +115,19 @@ def test_ranks_with_different_pools_agree_on_every_batch(tmp_path):
     assert {p: s["completed"] for p, s in summary["policies"].items()} == {"static-fp16": 12, "pagedweight": 12}
 
 
+@pytest.mark.e2e
+@needs_model
+def test_an_error_on_the_ranks_is_the_commands_one_line(tmp_path):
+    """static-fp16's experts do not fit a rank's budget: infeasible on every rank, so no policy
+    runs; the ranks stop and the command says so in one line (exit 2)."""
+    scenario = _scenario(tmp_path, memory={**SCENARIO["memory"], "budget": "18 MiB"}, parallel={"ep": 2})
+    done = _pwgpu_run(scenario, tmp_path / "out", quiet_s=10)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"pwgpu run: error: no policy fits in {18 * MIB} bytes") and "static-fp16" in last
+    assert "Traceback" not in done.stderr
+
+
 def _cli(capsys, *args: str) -> tuple[int, str]:
     from pwgpu.cli import main
 
@@ -226,3 +239,28 @@ def test_serve_ep_that_does_not_split_the_experts_is_one_line(capsys):
     assert main(["serve", "--model", str(MODEL), "--ep", "5"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "do not split across 5 ranks; allowed: 1, 2, 4, 8" in err
+
+
+def test_rank_zeros_view_holds_the_tightest_ranks_free_blocks():
+    """``KvView``: rank 0's scheduler sees rank 0's free blocks less the deficit of the tightest
+    rank, and counts what the step's batch takes, which the other ranks take later; ``_room``
+    asks a rank's own pressure hook for exactly what it lacks."""
+    from pagedweight.core.pool import KvBlockAllocator, PagePool
+    from pagedweight.errors import PagedWeightError
+    from pwgpu.ep_agree import KvView, _room
+
+    kv = KvBlockAllocator(PagePool(16 << 10, 1 << 10), block_tokens=4, kv_bytes_per_token=128)  # 2 blocks a page
+    view = KvView(kv)
+    assert view.num_free_blocks == kv.num_free_blocks == 32 and view.block_tokens == 4
+    view.deficit = 20
+    assert view.num_free_blocks == 12
+    blocks = view.allocate(5)
+    assert view.taken == 5 and kv.num_free_blocks == 27 and view.num_free_blocks == 7
+    view.free(blocks[:2])
+    assert view.taken == 3 and view.num_free_blocks == 9
+    with pytest.raises(PagedWeightError, match="tightest rank has 9"):
+        view.allocate(10)
+    asked = []
+    assert _room(kv, asked.append, want=None, taken=3) == 26 and asked == []
+    assert _room(kv, asked.append, want=30, taken=3) == 26 and asked == [4]  # the hook freed nothing
+    assert _room(kv, None, want=30, taken=3) == 26
