@@ -194,8 +194,14 @@ def run_scenario(
     **extra,
 ) -> dict:
     """``pwgpu run --scenario``: the scenario's policies on the engine, from ``scenario_run``.
-    ``extra``: ``run_policies``'s real prompts, per-policy tables and logits recording."""
-    base = scenario_engine_config(run, device, dtype)
+    ``extra``: ``run_policies``'s real prompts, per-policy tables and logits recording. One
+    process: a scenario with ``parallel.ep > 1`` runs on its ranks through ``pwgpu run``."""
+    if run.ep > 1:
+        raise ConfigError(
+            f"scenario {run.name}: parallel.ep={run.ep}: this runs one process; `pwgpu run --scenario` starts "
+            "the ranks (or --ep 1 runs it in one); allowed here: ep 1"
+        )
+    base = scenario_engine_config(run, device, dtype, ep=1)
     return run_policies(model_dir, run.trace, base, run.policies, out_dir, run.seed, report=report,
                         scenario=run.name, table=run.table, slo=run.slo, scenario_yaml=run.resolved_yaml,
                         **extra)  # fmt: skip

@@ -264,3 +264,14 @@ def test_rank_zeros_view_holds_the_tightest_ranks_free_blocks():
     assert _room(kv, asked.append, want=None, taken=3) == 26 and asked == []
     assert _room(kv, asked.append, want=30, taken=3) == 26 and asked == [4]  # the hook freed nothing
     assert _room(kv, None, want=30, taken=3) == 26
+
+
+def test_the_one_process_library_path_refuses_a_parallel_scenario(tmp_path):
+    from pagedweight.config.run import scenario_run
+    from pagedweight.config.scenario import load_scenario
+    from pagedweight.errors import ConfigError
+    from pwgpu.offline import run_scenario
+
+    run = scenario_run(load_scenario(_scenario(tmp_path, parallel={"ep": 2}), require_latency_table=False))
+    with pytest.raises(ConfigError, match="parallel.ep=2: this runs one process"):
+        run_scenario(run, MODEL, tmp_path / "out")
