@@ -15,6 +15,7 @@ group, rank processes included, is killed.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -57,10 +58,12 @@ def _scenario(tmp_path: Path, **changes) -> Path:
     return path
 
 
-def _pwgpu_run(scenario: Path, out: Path, *extra: str, quiet_s: float = 20):
+def _pwgpu_run(scenario: Path, out: Path, *extra: str, quiet_s: float = 15):
+    """``pwgpu run --scenario`` on one torch thread per process (each of two ranks gets one of the
+    two cores anyway): a process whose second thread is descheduled by other jobs waits at every op."""
     cmd = [sys.executable, "-m", "pwgpu.cli", "run", "--scenario", scenario, "--model", MODEL, "--dtype", "float32",
            "--out", out, *extra]  # fmt: skip
-    return proc.run(cmd, quiet_s=quiet_s)
+    return proc.run(cmd, quiet_s=quiet_s, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def _tokens(out: Path) -> dict[int, list[int]]:
@@ -182,7 +185,6 @@ def _one_process_tokens(prompts: list[list[int]], max_tokens: int) -> list[list[
 
 def _group_ends(pgid: int, quiet_s: float) -> bool:
     """Whether every process of the group is gone within the hang guard of ``quiet_s``."""
-    import os
     import time
 
     deadline = time.monotonic() + proc.hang_guard_s(quiet_s)
