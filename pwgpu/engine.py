@@ -52,6 +52,27 @@ class EngineConfig:
     dtype: str | None = None  # activations and KV; default bfloat16 on cuda, float32 on cpu
     importance: str | None = None  # importance table CSV; default: a synthetic table (marked so)
     moe_kernel: str | None = None  # "triton" or "reference"; default: triton on cuda, reference on cpu
+    # Memory bandwidth for pagedweight's step-time model under a TPOT SLO (weights read per
+    # step); default: the built-in spec of the device (device_memory_bandwidth).
+    memory_bandwidth_bytes_per_s: float | None = None
+
+
+# Built-in GPU specs by a word of the CUDA device's name (pagedweight/data/gpus).
+_GPU_SPEC_OF_NAME = (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb"), ("l40s", "l40s"))
+
+
+def device_memory_bandwidth(device: torch.device) -> float | None:
+    """The memory bandwidth of ``device`` from its built-in spec (``cpu`` for a CPU), or None
+    for a GPU without one (then pagedweight weighs memory only, as before)."""
+    from pagedweight.core.spec import load_gpu
+
+    if device.type == "cpu":
+        return load_gpu("cpu").hbm_bandwidth_bytes_per_s
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    spec = next((s for word, s in _GPU_SPEC_OF_NAME if word in name), None)
+    return None if spec is None else load_gpu(spec).hbm_bandwidth_bytes_per_s
 
 
 def _check_ladder_top(table: ImportanceTable, master_precision: str, model_dir: Path) -> None:
@@ -189,6 +210,9 @@ class Engine:
         self.page_bytes = core_cfg.page_bytes
         self.store = WeightStore(masters, self.page_bytes, self.device, cfg.moe_kernel, arch.hidden_act)
         self.core = RuntimeCore(core_cfg, cfg.policy, table, self.store, clock=self.clock.now)
+        bandwidth = cfg.memory_bandwidth_bytes_per_s or device_memory_bandwidth(self.device)
+        if bandwidth:  # speed in pagedweight's objective, as the simulator's latency model gives it
+            self.core.use_weight_read_model(bandwidth)
         pinned = self.store.attach(self.core, pinned_weights(ckpt, self.dtype, torch.device("cpu")))
         del ckpt
         experts = self.store

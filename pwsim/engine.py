@@ -120,7 +120,7 @@ class SimEngine:
         """A request arrives now (from ``arrivals``, or from a cluster's router); its id is its
         row in ``self.trace``."""
         if self.core.scheduler.prefix_caching and req.block_hashes is None:
-            req.block_hashes = self._block_keys(req)
+            req.block_hashes, req.prefix_private = self._block_keys(req)
         self.requests.append(req)
         self.core.add(req)
         self._wake_engine()
@@ -131,15 +131,16 @@ class SimEngine:
         self._wake_engine()
 
     def _block_keys(self, req: Request):
-        """Prefix caching keys blocks by the trace's block ids; without them requests share
-        nothing, but a preempted request finds its own blocks again (pagedweight.core.prefix)."""
+        """(keys, private): prefix caching keys blocks by the trace's block ids; without them
+        requests share nothing, but a preempted request finds its own blocks again (private
+        keys; pagedweight.core.prefix)."""
         block_tokens = self.core.kv.block_tokens
         tr = self.trace
         if tr.hash_ids is not None and req.request_id < len(tr):
             if self._trace_keys is None:
                 self._trace_keys = TraceBlockKeys(tr.hash_ids)
-            return self._trace_keys.keys(req.request_id, req.prompt_tokens, block_tokens)
-        return own_block_keys(req.request_id, req.prompt_tokens, block_tokens)
+            return self._trace_keys.keys(req.request_id, req.prompt_tokens, block_tokens), False
+        return own_block_keys(req.request_id, req.prompt_tokens, block_tokens), True
 
     def arrivals(self, env: simpy.Environment):
         tr = self.trace

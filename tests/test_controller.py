@@ -275,3 +275,41 @@ def test_speed_leaves_precision_alone_when_no_precision_meets_the_slo():
         core.set_step_time_model(model)
         run_steps(core, clock, backend, model, 50)
         assert not core.transitions, policy
+
+
+def test_weight_read_model_prices_the_last_steps_active_experts():
+    """The engine's step-time model: the bytes of the experts the last step used, at the map
+    asked about, over the bandwidth; an unused expert's precision costs nothing."""
+    core, clock, backend = make_core(tpot_slo_s=0.05, min_dwell_s=0.0)
+    core.use_weight_read_model(1e9)
+    model, pt = core.controller.step_time_s, core.page_table
+    ids = pt.precision_ids.copy()
+    assert model(ids) == 0.0  # no step seen yet
+    routed = np.zeros((MODEL.num_moe_layers, MODEL.num_experts), dtype=np.int64)
+    routed[0, :2] = 3
+    core.observe_routing(routed)
+    assert model(ids) == pytest.approx(2 * pt.bytes_by_id[ids[0]] / 1e9)
+    cheaper = ids.copy()
+    cheaper[:2] = PRECISION_ID["int4"]
+    cheaper[5] = PRECISION_ID["int4"]  # not routed in the last step: no effect
+    assert model(cheaper) == pytest.approx(2 * pt.bytes_by_id[PRECISION_ID["int4"]] / 1e9)
+    assert model(cheaper) < model(ids)
+
+
+def test_weight_read_model_puts_speed_in_the_objective_without_a_latency_model():
+    """As in the simulator, a mean step past the SLO makes pagedweight downgrade the experts in
+    use, with the engine's model (every expert routed every step, 2x the SLO at bf16)."""
+    core, clock, backend = make_core(tpot_slo_s=0.05, min_dwell_s=0.0)
+    pt = core.page_table
+    all_bytes = float(pt.bytes_by_id[pt.precision_ids].sum())
+    core.use_weight_read_model(all_bytes / 0.09)  # all experts at the top: 90 ms of reads
+    routed = np.ones((MODEL.num_moe_layers, MODEL.num_experts), dtype=np.int64)
+    for _ in range(100):
+        clock.now_s += 0.1
+        backend.step += 1
+        backend.land(core)
+        core.observe_routing(routed)
+        core.controller.observe_step(0.01 + core.controller.step_time_s(pt.precision_ids))
+        core.plan_step()
+    assert any(t.kind == DOWNGRADE for t in core.transitions)
+    assert 0.01 + core.controller.step_time_s(pt.precision_ids) <= 0.05 + 1e-9

@@ -16,7 +16,7 @@ from pagedweight.core.pool import (
     PagePool,
     weight_owner,
 )
-from pagedweight.core.prefix import TraceBlockKeys, token_block_keys
+from pagedweight.core.prefix import TraceBlockKeys, own_block_keys, token_block_keys
 from pagedweight.core.scheduler import FINISHED, REJECTED, Request, Scheduler, SchedulerConfig
 from pagedweight.errors import PoolError, PoolExhausted
 from pagedweight.workload.build import take, window
@@ -286,9 +286,23 @@ def test_concurrent_requests_share_blocks_while_running():
     s.check_prefix_cache()
 
 
-def run_shared_workload(seed, num_pages, blocks_per_page, block_tokens, max_batched, num_requests, with_hook, mode):
+def run_shared_workload(
+    seed,
+    num_pages,
+    blocks_per_page,
+    block_tokens,
+    max_batched,
+    num_requests,
+    with_hook,
+    mode,
+    private_every=0,
+    private_as_shared=False,
+):
     """Requests whose prompts extend a few shared prefixes, to the end; every invariant at every
-    step. Returns the steps taken and the prompt tokens served from the cache."""
+    step. Every ``private_every``-th request (0: none) has keys of its own, as the simulator
+    gives requests of a trace without block ids (``private_as_shared``: the same keys, not
+    marked private). Returns the steps taken, the prompt tokens served from the cache, the
+    evicted blocks, the evictable blocks in LRU order and the preemptions."""
     rng = np.random.default_rng(seed)
     pool, kv, s = make(
         num_pages,
@@ -313,7 +327,11 @@ def run_shared_workload(seed, num_pages, blocks_per_page, block_tokens, max_batc
     for i in range(num_requests):
         tokens = prefixes[int(rng.integers(0, 3))] + rng.integers(0, 50, int(rng.integers(1, 60))).tolist()
         r = Request(i, float(i), len(tokens), int(rng.integers(1, 30)))
-        r.block_hashes = token_block_keys(tokens, block_tokens)
+        if private_every and i % private_every == 0:
+            r.block_hashes = own_block_keys(i, len(tokens), block_tokens)
+            r.prefix_private = not private_as_shared
+        else:
+            r.block_hashes = token_block_keys(tokens, block_tokens)
         reqs.append(r)
     now, nxt, steps = 0.0, 0, 0
     while nxt < len(reqs) or s.has_work():
@@ -340,7 +358,10 @@ def run_shared_workload(seed, num_pages, blocks_per_page, block_tokens, max_batc
         if r.state is FINISHED:
             assert r.num_output_tokens == r.max_output_tokens
     assert kv.num_used_blocks == 0 and pool.num_owned(OWNER_KV) == 0
-    return steps, s.prefix_hit_tokens
+    # A request with keys of its own that was never preempted never registered one.
+    unregistered = {k for r in reqs if r.prefix_private and not r.num_preemptions for k in r.block_hashes}
+    assert not unregistered & set(kv._block_of_key)
+    return steps, s.prefix_hit_tokens, kv.num_evicted_blocks, list(kv._evictable), s.num_preemptions
 
 
 def test_random_shared_prefix_workloads_keep_every_invariant():
@@ -358,14 +379,44 @@ def test_random_shared_prefix_workloads_keep_every_invariant():
         num_requests=st.integers(5, 40),
         with_hook=st.booleans(),
         mode=st.sampled_from(["recompute", "swap"]),
+        private_every=st.sampled_from([0, 1, 3]),
     )
     def workload(**kw):
-        results.append(run_shared_workload(**kw))
+        out = run_shared_workload(**kw)
+        results.append(out)
+        if kw["private_every"]:  # keys of one's own change no decision, only the keeping of keys
+            assert run_shared_workload(**kw, private_as_shared=True) == out
 
     workload()
     # Together the examples must have run long and hit often, or the property says little.
-    assert sum(steps for steps, _ in results) >= 400
-    assert sum(hits > 0 for _, hits in results) >= 5
+    assert sum(r[0] for r in results) >= 400
+    assert sum(r[1] > 0 for r in results) >= 5
+
+
+def private_pair_run(private: bool):
+    _, kv, s = make(6, block_tokens=4, blocks_per_page=1, max_num_batched_tokens=64, admission="greedy")
+    first = Request(0, 0.0, 8, 6)  # grows to 4 blocks
+    newest = Request(1, 0.0, 12, 8)  # 3 prompt blocks; preempted when the 6 blocks run out
+    for r in (first, newest):
+        r.block_hashes, r.prefix_private = own_block_keys(r.request_id, r.prompt_tokens, 4), private
+    prefill = run_all(s, [first, newest])
+    return kv, s, first, newest, prefill
+
+
+def test_private_keys_change_nothing_but_the_work_of_keeping_keys():
+    """Keys of one's own are registered only at a first preemption, and a request never
+    preempted retires its prompt blocks unkeyed: the same hits, evictions, cached blocks and
+    steps as registering everything."""
+    kv, s, first, newest, prefill = private_pair_run(True)
+    assert newest.num_preemptions == 1 and first.num_preemptions == 0
+    assert s.prefix_hit_tokens == 8  # readmitted: 2 of its 3 prompt blocks were still cached
+    assert not set(first.block_hashes) & set(kv._block_of_key)  # never registered
+    kv_ref, s_ref, *_, prefill_ref = private_pair_run(False)
+    assert prefill == prefill_ref
+    assert s.prefix_hit_tokens == s_ref.prefix_hit_tokens
+    assert kv.num_evicted_blocks == kv_ref.num_evicted_blocks
+    assert kv.num_cached_blocks == kv_ref.num_cached_blocks > 0
+    assert list(kv._evictable) == list(kv_ref._evictable)  # the same blocks, in the same LRU order
 
 
 # ---- the multi-turn generator ----------------------------------------------------------------

@@ -23,7 +23,10 @@ Two sources, one kind of key (``KvBlockAllocator`` only compares them):
   each request's blocks get keys of their own (``own_block_keys``), negative so that they never
   equal a trace key. They matter only to the request itself: preempted by recompute, it finds
   its prompt blocks again if they were not evicted meanwhile, as it would in a real engine (whose
-  token keys find them too).
+  token keys find them too). Nothing else can hit them, so the scheduler registers them only
+  at the request's first preemption, and a request never preempted retires its prompt blocks
+  unkeyed (``Request.prefix_private``, ``KvBlockAllocator.retire``): the cache's contents and
+  order are the same, the keys' upkeep is saved.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ from pagedweight.policy.controller import (
     ControllerSettings,
 )
 from pagedweight.policy.importance import ImportanceTable, on_ladder
+from pagedweight.policy.latency_cap import WeightReadStepTime
 from pagedweight.policy.policies import DYNAMIC_POLICIES, policy_ladder, setup_policy
 from pagedweight.results.metrics import StepRecorder
 
@@ -248,6 +249,7 @@ class RuntimeCore:
             sched_cfg, self.kv, max_kv_pages * self.kv.blocks_per_page, prefix_caching=cfg.prefix_caching
         )
         self.controller: Controller | None = None
+        self._weight_read: WeightReadStepTime | None = None  # the engine's step-time model, if used
         if setup.controller_mode:
             self.controller = Controller(
                 setup.controller_mode,
@@ -349,6 +351,15 @@ class RuntimeCore:
         if self.controller is not None:
             self.controller.step_time_s = step_time_s
 
+    def use_weight_read_model(self, bandwidth_bytes_per_s: float) -> None:
+        """For a runtime without a latency model (the engine): predict a map's step time from
+        the bytes of the last step's active experts over ``bandwidth_bytes_per_s``
+        (``latency_cap.WeightReadStepTime``), fed with every step's routing."""
+        if self.controller is None:
+            return
+        self._weight_read = WeightReadStepTime(self.page_table.bytes_by_id, bandwidth_bytes_per_s)
+        self.set_step_time_model(self._weight_read)
+
     # ---- precision changes --------------------------------------------------------------------
     def _on_pressure(self, blocks_short: int) -> None:
         self.apply(self.controller.on_pressure(blocks_short, self.clock()))
@@ -358,9 +369,12 @@ class RuntimeCore:
             self.apply(self.controller.plan_step(self.clock()))
 
     def observe_routing(self, tokens_per_expert: np.ndarray) -> None:
-        """Feed one step's routing counts (layers, experts) to the controller's drift tracker."""
+        """Feed one step's routing counts (layers, experts) to the controller's drift tracker
+        (and to the weight-read step-time model, where the runtime uses it)."""
         if self.controller is not None:
             self.controller.observe_routing(tokens_per_expert)
+            if self._weight_read is not None:
+                self._weight_read.observe(tokens_per_expert)
 
     def apply(self, changes: list[Change]) -> None:
         pt, applied = self.page_table, self._step_changes

@@ -110,6 +110,7 @@ class Request:
         "block_hashes",
         "num_cached_blocks",
         "cached_tokens",
+        "prefix_private",
     )
 
     def __init__(self, request_id: int, arrival_s: float, prompt_tokens: int, max_output_tokens: int):
@@ -136,6 +137,12 @@ class Request:
         self.block_hashes: Sequence[int] | None = None
         self.num_cached_blocks = 0
         self.cached_tokens = 0
+        # Keys no other request can have (the simulator's keys for a trace without block ids).
+        # Until its first preemption nothing can look them up, so its blocks are registered
+        # only if it is preempted, and when it finishes its prompt blocks stay in the cache as
+        # keyless evictable blocks: the cache's memory and eviction order are those of the
+        # registered blocks, without the cost of keys nobody asks for.
+        self.prefix_private = False
 
     @property
     def num_tokens(self) -> int:
@@ -271,6 +278,8 @@ class Scheduler:
         if self.config.preemption_mode == "swap":
             req.swapped_tokens = req.num_computed_tokens
             batch.swapped_out_tokens += req.num_computed_tokens
+        if req.prefix_private and not req.num_preemptions and req.block_hashes:
+            self._cache_private_blocks(req)  # what it computed, for its own recompute
         self.kv.free(req.block_ids)
         req.block_ids = []
         req.num_cached_blocks = 0
@@ -380,9 +389,12 @@ class Scheduler:
 
     def _promised_blocks(self) -> int:
         """Blocks promised to running requests beyond those they hold."""
-        out = 0
-        for req in self.running:
-            extra = self._promise(req) - len(req.block_ids)
+        out, bt, reserve = 0, self.kv.block_tokens, self.config.admission_reserve_tokens
+        for req in self.running:  # _promise, inlined
+            outputs = req.num_output_tokens
+            ahead = req.max_output_tokens - outputs
+            extra = -(-(req.prompt_tokens + outputs + (ahead if ahead < reserve else reserve)) // bt)
+            extra -= len(req.block_ids)
             if extra > 0:
                 out += extra
         return out
@@ -421,8 +433,12 @@ class Scheduler:
         if self._prefix_pending:  # before the finished let go: their last blocks are cached too
             self._cache_computed_blocks()
         if finished:
+            kv = self.kv
             for req in finished:
-                self.kv.free(req.block_ids)
+                if req.prefix_private and not req.num_preemptions:  # its prompt blocks, unkeyed
+                    kv.retire(req.block_ids, len(req.block_hashes))
+                else:
+                    kv.free(req.block_ids)
                 req.block_ids = []
             self.running = [r for r in self.running if r.state is RUNNING]
         return finished
@@ -433,7 +449,11 @@ class Scheduler:
             self.running.remove(req)
         elif req.state is WAITING:
             self.waiting.remove(req)
-        self.kv.free(req.block_ids)
+        if req.prefix_private and not req.num_preemptions and req.block_hashes:
+            computed = min(len(req.block_hashes), req.num_computed_tokens // self.kv.block_tokens)
+            self.kv.retire(req.block_ids, computed)
+        else:
+            self.kv.free(req.block_ids)
         req.block_ids = []
         req.num_cached_blocks = 0
         self._prefix_pending.pop(req, None)
@@ -487,8 +507,20 @@ class Scheduler:
             self.prefix_hit_tokens += hit_tokens
             if req.first_scheduled_s is None:
                 req.cached_tokens = hit_tokens
-        if req.num_cached_blocks < len(req.block_hashes):
+        if req.num_cached_blocks < len(req.block_hashes) and not (req.prefix_private and not req.num_preemptions):
             self._prefix_pending[req] = None
+
+    def _cache_private_blocks(self, req: Request) -> None:
+        """Register the prompt blocks a request with private keys has computed (it is being
+        preempted for the first time; it finds them again if they are not evicted before it is
+        readmitted): the blocks a request with shared keys registers step by step, and, with
+        nobody else holding these keys, every registration succeeds as it would have then.
+        From here on the request registers step by step like any other."""
+        keys, done = req.block_hashes, req.num_cached_blocks
+        full = min(len(keys), req.num_computed_tokens // self.kv.block_tokens)
+        if full > done:
+            self.kv.cache_blocks(req.block_ids[done:full], keys[done:full])
+            req.num_cached_blocks = full
 
     def _cache_computed_blocks(self) -> None:
         """Register the prompt blocks completed so far by the requests that still had some to
@@ -531,14 +563,18 @@ class Scheduler:
         bt = self.kv.block_tokens
         need = 0
         # Under forecast admission the running requests' promises count too: weights that took
-        # those blocks back would be downgraded again at the next admission.
-        promise = self._promise if self.config.admission == "forecast" else None
+        # those blocks back would be downgraded again at the next admission. (``_promise``
+        # inlined: this loop runs over every running request at every plan.)
+        promise = self.config.admission == "forecast"
+        reserve = self.config.admission_reserve_tokens
         for req in self.running:
-            target = req.prompt_tokens + req.num_output_tokens + horizon_steps
-            final = req.prompt_tokens + req.max_output_tokens - 1
+            prompt, outputs, max_outputs = req.prompt_tokens, req.num_output_tokens, req.max_output_tokens
+            target = prompt + outputs + horizon_steps
+            final = prompt + max_outputs - 1
             blocks = -(-(target if target < final else final) // bt)
-            if promise is not None:
-                promised = promise(req)
+            if promise:
+                ahead = max_outputs - outputs
+                promised = -(-(prompt + outputs + (ahead if ahead < reserve else reserve)) // bt)
                 blocks = promised if promised > blocks else blocks
             extra = blocks - len(req.block_ids)
             if extra > 0:

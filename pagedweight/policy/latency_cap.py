@@ -52,3 +52,30 @@ def largest_budget_within(
         else:
             hi = mid
     return lo
+
+
+class WeightReadStepTime:
+    """A ``StepTimeModel`` for a runtime without a latency model of its own (the engine): a
+    step reads each active expert's weights once, so a precision map changes the last step's
+    time by the bytes of that step's active experts over the memory bandwidth. Only the
+    difference between two maps matters to the controller (``Controller._tpot_model`` adds it
+    to the measured mean step), and a memory-bound decode step is what the SLO is about; a
+    compute-bound prefill chunk gains less than this says (the simulator's latency model takes
+    the larger of compute and memory time per expert instead).
+
+    ``observe`` takes each step's routing counts (layers, experts), as the core reports them."""
+
+    def __init__(self, bytes_by_id: np.ndarray, bandwidth_bytes_per_s: float):
+        if not bandwidth_bytes_per_s > 0:
+            raise ValueError(f"bandwidth_bytes_per_s(={bandwidth_bytes_per_s}) must be > 0")
+        self.bytes_by_id = np.asarray(bytes_by_id, dtype=np.float64)
+        self.bandwidth_bytes_per_s = float(bandwidth_bytes_per_s)
+        self._active: np.ndarray | None = None  # flat indices of the last step's active experts
+
+    def observe(self, tokens_per_expert: np.ndarray) -> None:
+        self._active = np.flatnonzero(tokens_per_expert)
+
+    def __call__(self, precision_ids: np.ndarray) -> float:
+        if self._active is None:
+            return 0.0
+        return float(self.bytes_by_id[precision_ids[self._active]].sum()) / self.bandwidth_bytes_per_s

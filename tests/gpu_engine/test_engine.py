@@ -243,3 +243,20 @@ def test_on_logits_sees_what_each_request_samples_from(tiny):
     for er in (a, b):
         rows = seen[er.req.request_id]
         assert [int(r.argmax()) for r in rows] == er.output_ids  # greedy: the argmax of what was seen
+
+
+def test_engine_gives_pagedweight_a_step_time_model(tiny):
+    """Under a TPOT SLO the engine's pagedweight prices precision in step time as the
+    simulator's does: from each step's routed experts and the device's memory bandwidth. An SLO
+    far below any step makes it downgrade the experts in use with no KV pressure at all."""
+    settings = ControllerSettings(tpot_slo_s=1e-6, min_dwell_s=0.0)
+    core = CoreConfig(budget_bytes=64 << 20, page_bytes=PAGE_BYTES, controller=settings)
+    eng = Engine(tiny, EngineConfig(core, policy="pagedweight", memory_bandwidth_bytes_per_s=1e6))
+    model = eng.core.controller.step_time_s
+    assert model is not None and model(eng.core.page_table.precision_ids) == 0.0  # no step yet
+    eng.add([1, 2, 3, 4, 5], greedy(24))
+    while eng.has_work():
+        eng.step()
+    assert model(eng.core.page_table.precision_ids) > 0
+    assert any(t.kind is DOWNGRADE for t in eng.core.transitions)
+    assert eng.core.kv.num_used_blocks == 0
