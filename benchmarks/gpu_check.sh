@@ -91,6 +91,9 @@ if [ "$NUM_GPUS" -ge 2 ]; then
 r = [np.load(f'$OUT/ep_2gpu.rank{i}.npz') for i in range(2)]; \
 d = max(float(np.abs(x['logits'] - s['logits']).max()) for x in r); ok = all((x['tokens'] == s['tokens']).all() for x in r); \
 print('tokens equal:', ok, 'max logit difference:', d); sys.exit(0 if ok and d < 1e-3 else 1)\""
+  # The launch path: `pwgpu run --ep 2` spawns two NCCL ranks, one per GPU, and every request finishes.
+  stage ep_run_2gpu 120 bash -c "python3 -m pwgpu.cli run --scenario scenarios/cpu_validate.yaml --ep 2 \
+    --out '$OUT/ep_run_2gpu' && test \$(grep -c '24/24 done' '$OUT/ep_run_2gpu.log') -eq 2"
 else
   echo "ep_2gpu: skipped: expert parallelism needs 2 or more GPUs and this machine has $NUM_GPUS" | tee -a "$OUT/summary.txt"
 fi

@@ -14,6 +14,7 @@ runtimes can be compared step by step.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 from collections import deque
@@ -24,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from pagedweight.config.scenario import rank_model
 from pagedweight.core.prefix import token_block_keys
 from pagedweight.core.runtime import CoreConfig, Executed, RuntimeCore, Step
 from pagedweight.core.scheduler import FINISHED, REJECTED, Request
@@ -201,7 +203,10 @@ class Engine:
         if ep is not None:  # this rank's experts, their importance rows and its share of the model
             masters, table, self.spec = ep.share(masters, table, self.spec)
         self.table: ImportanceTable = table
-        core_cfg = cfg.core.for_model(self.spec)
+        core_cfg = cfg.core
+        if ep is not None and core_cfg.model is not None:  # a scenario's model: this rank's share of it
+            core_cfg = dataclasses.replace(core_cfg, model=rank_model(core_cfg.model, ep.world))
+        core_cfg = core_cfg.for_model(self.spec)
         self.page_bytes = core_cfg.page_bytes
         self.store = WeightStore(masters, self.page_bytes, self.device, cfg.moe_kernel, arch.hidden_act)
         self.core = RuntimeCore(core_cfg, cfg.policy, table, self.store, clock=self.clock.now)
@@ -233,6 +238,9 @@ class Engine:
         # Called with the requests and the logits they sample from, every step that samples
         # (``pwgpu.served.TokenLog`` keeps them to score what was served).
         self.on_logits: Callable[[list[EngineRequest], torch.Tensor], None] | None = None
+        # Under expert parallelism, how this rank agrees with the others on requests, batches and
+        # tokens (``pwgpu.ep_agree.attach``); None in one process.
+        self.agreement = None
 
     def now(self) -> float:
         """Seconds on the engine's clock (by default since it started): the clock of every
@@ -265,6 +273,8 @@ class Engine:
                 req.block_hashes = token_block_keys(er.prompt_ids, self.core.kv.block_tokens)
             if self.core.add(req):
                 self._by_req[req.request_id] = er
+                if self.agreement is not None:
+                    self.agreement.added(er)
                 return er
         er.finish_reason = "rejected"
         self._emit(er, [], True)
@@ -283,6 +293,15 @@ class Engine:
             return
         self.core.scheduler.abort(er.req, self.now(), reason)
         er.finish_reason = "abort"
+        self._by_req.pop(er.req.request_id, None)
+        if self.agreement is not None:
+            self.agreement.aborted(er)
+        self._emit(er, [], True)
+
+    def refuse(self, er: EngineRequest, reason: str) -> None:
+        """Reject a queued request after all (another expert-parallel rank cannot hold it)."""
+        self.core.scheduler.abort(er.req, self.now(), reason)
+        er.finish_reason = "rejected"
         self._by_req.pop(er.req.request_id, None)
         self._emit(er, [], True)
 
@@ -309,6 +328,8 @@ class Engine:
         """What an idle engine still does: take in requests, flip landed upgrades and let the
         controller restore precision now that KV has room (no step is recorded)."""
         self._drain_inbox()
+        if self.agreement is not None:
+            self.agreement.begin("idle")
         self.core.idle_tick()
 
     def has_work(self) -> bool:
@@ -318,6 +339,8 @@ class Engine:
     def step(self) -> bool:
         """One engine step (``RuntimeCore.step``); returns False when there was nothing to compute."""
         self._drain_inbox()
+        if self.agreement is not None:
+            self.agreement.begin("step")
         self._sampled = []
         if self.core.run_step(self._execute) is None:
             return False
@@ -352,10 +375,15 @@ class Engine:
         counts = torch.zeros(self.spec.num_moe_layers, self.arch.num_experts, dtype=torch.int64, device=self.device)
         hidden = self.model.forward(torch.tensor(ids, device=self.device), positions, attn, self.kv_cache, counts)
         if ers:
-            logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
-            if self.on_logits is not None:
-                self.on_logits(ers, logits)
-            tokens, logprobs = sample(logits, [er.sampler for er in ers])
+            if self.agreement is None or self.agreement.is_leader:
+                logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
+                if self.on_logits is not None:
+                    self.on_logits(ers, logits)
+                tokens, logprobs = sample(logits, [er.sampler for er in ers])
+            else:  # an expert-parallel follower takes rank 0's tokens
+                tokens, logprobs = None, [None] * len(ers)
+            if self.agreement is not None:
+                tokens = self.agreement.tokens(tokens)
             for er, tok, lp in zip(ers, tokens, logprobs, strict=True):
                 er.output_ids.append(tok)
                 er.sampler.observe(tok)
@@ -400,9 +428,19 @@ class Engine:
             # Small pinned tensors the spec does not count (biases, full-width q/k norms).
             pinned_outside_arena_bytes=self.store.pinned_outside_bytes,
             checkpoint_notes=self.load_notes,
+            **self._ep_meta(),
             trace=trace,
             seed=seed,
         )
+
+    def _ep_meta(self) -> dict:
+        if self.ep is None:
+            return {}
+        return {"expert_parallel": {
+            "ranks": self.ep.world, "backend": torch.distributed.get_backend(),
+            "results_of": "rank 0: its pool, page table, transitions and steps; every rank served every request",
+            "prefix_caching": self.core.scheduler.prefix_caching,
+        }}  # fmt: skip
 
     def write_results(self, out_dir: str | Path, scenario: str = "serve", trace: dict | None = None) -> dict:
         """The results directory ``pagedweight.results.report`` reads (runtime ``pwgpu``)."""

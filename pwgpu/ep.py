@@ -17,10 +17,11 @@ them), and the MoE layers exchange tokens by all-to-all:
 4. combine: the outputs go back the same way, are summed per token, and every rank gathers
    every token's output (``all_gather``), since attention needs them all.
 
-The ranks stay in lockstep as long as their schedulers make the same choices, which they do
-while their pools match (same budget, same experts' bytes: equal shares at the same
-precisions); a rank whose controller changes precision on its own may drift. The process group
-is gloo on CPU (tests) or NCCL on GPUs; ``spawn_ranks`` starts the processes.
+Every rank must compute the same batch each step. Left alone, their schedulers agree only while
+their pools match; ``pwgpu.ep_agree`` makes them agree whatever each rank's controller does
+(rank 0 decides every batch within the tightest rank's free KV, the others replay it). The
+process group is gloo on CPU (tests) or NCCL on GPUs; ``spawn_ranks`` starts the processes,
+``pwgpu.ep_launch`` the commands' ranks (``pwgpu run --ep N``).
 """
 
 from __future__ import annotations
@@ -119,13 +120,14 @@ class EpExperts:
         return y
 
 
-def spawn_ranks(world: int, fn, args: tuple, init_file: str, backend: str = "gloo") -> None:
+def spawn_ranks(world: int, fn, args: tuple, init_file: str, backend: str = "gloo", join: bool = True):
     """Run ``fn(rank, world, *args)`` in ``world`` processes joined in one process group
     (initialised from ``init_file``, which must not exist yet); returns when all are done and
-    raises if any failed."""
+    raises if any failed. ``join=False``: returns at once with the processes'
+    ``ProcessContext`` (``.processes``; ``.join()`` until it returns True)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(world, fn, args, init_file, backend), nprocs=world, join=True)
+    return mp.spawn(_rank_main, args=(world, fn, args, init_file, backend), nprocs=world, join=join)
 
 
 def _rank_main(rank: int, world: int, fn, args: tuple, init_file: str, backend: str) -> None:

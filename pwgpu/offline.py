@@ -68,14 +68,19 @@ def run_trace(
     return out
 
 
-def scenario_engine_config(run: ScenarioRun, device: str | None = None, dtype: str | None = None) -> EngineConfig:
+def scenario_engine_config(
+    run: ScenarioRun, device: str | None = None, dtype: str | None = None, ep: int | None = None
+) -> EngineConfig:
     """The engine configured exactly as ``pwsim`` configures its core for the scenario: the
     scenario's ``CoreConfig`` (so its model must be the checkpoint's) and bf16 compute, the
-    2-byte weights and KV the simulator counts, unless ``dtype`` says otherwise."""
-    if run.ep > 1:
+    2-byte weights and KV the simulator counts, unless ``dtype`` says otherwise. ``ep``: the
+    expert-parallel ranks it runs on (default: the scenario's ``parallel.ep``), each with the
+    scenario's budget, as in the simulator (``memory.budget`` is per GPU)."""
+    ep = run.ep if ep is None else ep
+    if ep > 1 and run.ep_placement != "contiguous":
         raise ConfigError(
-            f"scenario {run.name}: parallel.ep={run.ep}: the engine runs a scenario on one device; "
-            "expert parallelism across GPUs is simulated (pwsim run); allowed here: ep 1"
+            f"scenario {run.name}: parallel.placement={run.ep_placement}: the engine places experts "
+            "contiguously; allowed here: contiguous"
         )
     if run.replicas > 1:
         raise ConfigError(
@@ -91,9 +96,16 @@ def policy_engine(
     policy: str,
     table: ImportanceTable | None = None,
     clock: Clock | None = None,
+    ep: bool = False,
 ) -> Engine:
-    """The engine of one policy of a run."""
-    return Engine(model_dir, dataclasses.replace(base, policy=policy), table, clock)
+    """The engine of one policy of a run; ``ep``: this process's share of an expert-parallel
+    group (``pwgpu.ep_launch.rank_engine``)."""
+    cfg = dataclasses.replace(base, policy=policy)
+    if ep:
+        from pwgpu.ep_launch import rank_engine
+
+        return rank_engine(model_dir, cfg, table, clock)
+    return Engine(model_dir, cfg, table, clock)
 
 
 def run_policies(
@@ -112,6 +124,7 @@ def run_policies(
     prompt_source=None,
     tables: dict[str, ImportanceTable] | None = None,
     record_logits: bool = False,
+    ep: bool = False,
 ) -> dict:
     """Every policy over the same requests, one engine each; one results directory.
     ``scenario`` names the run (as ``pwsim run`` does) so that the two can be compared;
@@ -120,7 +133,8 @@ def run_policies(
     ``table`` for that policy (e.g. a policy on its own precision ladder).
     ``prompt_source(trace) -> (prompts, sources)`` gives real prompts and turns on
     ``tokens.jsonl`` (``record_logits``: also the engine's logits of every sampled token, in
-    ``served_logits.npz``)."""
+    ``served_logits.npz``). ``ep``: this is rank 0 of an expert-parallel group whose other
+    ranks run ``pwgpu.ep_launch.follow_policies`` over the same policies."""
     writer: ResultsWriter | None = None
     errors: dict[str, str] = {}
     token_logs, engine_logits = [], {}
@@ -128,7 +142,7 @@ def run_policies(
         wall0 = time.perf_counter()
         try:
             policy_table = (tables or {}).get(policy, table)
-            engine = policy_engine(model_dir, base, policy, policy_table, clock() if clock else None)
+            engine = policy_engine(model_dir, base, policy, policy_table, clock() if clock else None, ep)
         except PolicyInfeasible as e:
             errors[policy] = str(e)
             continue
@@ -148,6 +162,8 @@ def run_policies(
             ers = run_trace(engine, t, seed, prompts=prompts, on_step=log.observe)
             token_logs.append(log.finish(engine, ers))
             engine_logits[policy] = log.logits
+        if engine.agreement is not None:
+            engine.agreement.close()
         reqs = [er.req for er in ers]
         summary = policy_summary(reqs, engine.core, slo or Slo(), time.perf_counter() - wall0, engine.store.h2d_bytes)
         writer.add(policy, reqs, engine.core, summary)
@@ -178,8 +194,14 @@ def run_scenario(
     **extra,
 ) -> dict:
     """``pwgpu run --scenario``: the scenario's policies on the engine, from ``scenario_run``.
-    ``extra``: ``run_policies``'s real prompts, per-policy tables and logits recording."""
-    base = scenario_engine_config(run, device, dtype)
+    ``extra``: ``run_policies``'s real prompts, per-policy tables and logits recording. One
+    process: a scenario with ``parallel.ep > 1`` runs on its ranks through ``pwgpu run``."""
+    if run.ep > 1:
+        raise ConfigError(
+            f"scenario {run.name}: parallel.ep={run.ep}: this runs one process; `pwgpu run --scenario` starts "
+            "the ranks (or --ep 1 runs it in one); allowed here: ep 1"
+        )
+    base = scenario_engine_config(run, device, dtype, ep=1)
     return run_policies(model_dir, run.trace, base, run.policies, out_dir, run.seed, report=report,
                         scenario=run.name, table=run.table, slo=run.slo, scenario_yaml=run.resolved_yaml,
                         **extra)  # fmt: skip

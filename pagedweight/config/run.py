@@ -60,6 +60,7 @@ class ScenarioRun:
     slo: Slo
     resolved_yaml: str  # the scenario with every default filled in (scenario.resolved.yaml)
     ep: int = 1  # GPUs of the replica under expert parallelism (``parallel.ep``)
+    ep_placement: str = "contiguous"  # which experts each of them holds (``parallel.placement``)
     replicas: int = 1  # replicas behind a router (``cluster.replicas``)
 
 
@@ -77,5 +78,6 @@ def scenario_run(loaded: LoadedScenario, policies: list[str] | None = None) -> S
         slo=Slo(**sc.slo.model_dump()),
         resolved_yaml=yaml.safe_dump(sc.model_dump(mode="json"), sort_keys=False),
         ep=sc.parallel.ep,
+        ep_placement=sc.parallel.placement,
         replicas=sc.cluster.replicas,
     )

@@ -6,7 +6,7 @@ One step (``RuntimeCore.step``)::
     backend.poll()                      upgrades whose copy has landed flip
     controller.plan_step(now)           precision changes: downgrades now, upgrades under budget
     scheduler.schedule(now)             the batch; KV pressure first downgrades (controller.on_pressure),
-                                        then preempts
+                                        then preempts (``decide_batch``, which a runtime may replace)
     execute(step)                       the runtime: pwsim times the step from its latency model and
                                         samples routing; pwgpu runs the forward pass, counts the
                                         router's choices and samples tokens. Either reports the
@@ -263,6 +263,10 @@ class RuntimeCore:
             # pagedweight weighs cached prefixes against downgrades by their observed reuse.
             if setup.controller_mode == "pagedweight" and cfg.prefix_caching and cfg.controller.recompute_weight > 0:
                 self.kv.track_reuse()
+        # What decides a step's batch at ``now_s``: this core's scheduler. A runtime whose cores
+        # must agree on one batch (the engine's expert-parallel ranks, ``pwgpu.ep_agree``) puts
+        # its own here: one core schedules, the others take its decision.
+        self.decide_batch: Callable[[float], Batch] = self.scheduler.schedule
         self.quality_proxy = self.quality_recount()
         self.precision_grid = self.page_table.precision_ids.reshape(model.num_moe_layers, model.num_experts)
         # With a history window (a server runs for days) only the newest steps and transitions
@@ -298,7 +302,7 @@ class RuntimeCore:
         start_s = self.clock()
         self._step_changes = changes = []
         self.plan_step()
-        batch = self.scheduler.schedule(start_s)
+        batch = self.decide_batch(start_s)
         self._step_changes = None
         if not batch.requests:
             return None

@@ -251,12 +251,13 @@ PARALLEL = {"ep": 2, "tp": 1, "placement": "balanced", "request_router": "round-
 
 
 def _check_parallel(r, key):
-    """Simulator only: an expert-parallel replica (pwsim.parallel) gets every parallel key; the
-    engine runs a scenario on one device and refuses ep > 1 in one line."""
+    """An expert-parallel replica (pwsim.parallel) gets every parallel key; the engine runs
+    ``parallel.ep`` ranks (``pwgpu run --scenario``, tests/gpu_engine/test_ep_launch.py) with its
+    experts placed contiguously, and refuses ``balanced`` placement in one line."""
     if "parallel" not in r.cache:
         loaded = _load(r.tmp_path, {**SCENARIO, "parallel": PARALLEL}, "parallel.yaml")
         meta = sim_run_scenario(loaded, r.tmp_path / "parallel", report=False)
-        with pytest.raises(ConfigError, match="parallel.ep=2"):
+        with pytest.raises(ConfigError, match="parallel.placement=balanced"):
             scenario_engine_config(scenario_run(loaded))
         r.cache["parallel"] = meta
     meta = r.cache["parallel"]
