@@ -111,6 +111,10 @@ def _measure(rank: int, world: int, device_type: str, sizes: list[int], samples:
         def sync() -> None:
             pass
 
+    # Gloo and NCCL set up their connections on first use: once at the largest size, untimed.
+    warm = torch.ones(-(-max(sizes) // (world - 1)) * world, dtype=torch.uint8, device=device)
+    dist.all_to_all_single(torch.empty_like(warm), warm)
+    del warm
     result = []
     for size in sizes:
         share = -(-size // (world - 1))  # bytes to each rank; the rank's own share too

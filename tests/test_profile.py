@@ -200,7 +200,9 @@ def test_ep_adds_all_to_all_rows_of_two_gloo_ranks(tmp_path):
     p50 = a2a["latency_us_p50"].to_numpy()
     assert (p50 > 0).all() and (a2a["latency_us_p20"] <= a2a["latency_us_p50"]).all()
     assert (a2a["latency_us_p50"] <= a2a["latency_us_p80"]).all()
-    assert p50[-1] > p50[0]  # 1 MiB per rank against 4 KiB: more bytes, more time
+    # 1 MiB per rank against 4 KiB: more bytes, more time (against the small size's fast samples,
+    # which a descheduled rank on a loaded machine does not slow down).
+    assert p50[-1] > a2a["latency_us_p20"].iloc[0], a2a.to_string()
     cfg = TableLatencyConfig(kind="table", path=str(out))
     lm = TableLatencyModel(cfg, load_model("tiny-moe"), load_gpu("h200"), tmp_path)
     assert set(lm.a2a_grids) == {2}
@@ -213,6 +215,7 @@ def test_ep_adds_all_to_all_rows_of_two_gloo_ranks(tmp_path):
         (["--ep", "1"], ["--ep 1", "2 or more ranks"]),
         (["--ep", "64", "--device", "cuda"], ["--ep 64 on cuda needs 64 GPUs", "--device cpu"]),
         (["--ep", "2", "--device", "meta"], ["cpu (gloo) or cuda (NCCL)", "'meta'"]),
+        (["--ops", ""], ["--ops is empty", "or --ep"]),
     ],
 )
 def test_bad_ep_is_a_one_line_error_before_anything_is_timed(tmp_path, capsys, args, words):

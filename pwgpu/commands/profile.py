@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ops",
         default=",".join(OP_GROUPS),
-        help=f"op groups to measure (comma list of {', '.join(OP_GROUPS)}; dequantize: CPU only)",
+        help=f"op groups to measure (comma list of {', '.join(OP_GROUPS)}; dequantize: CPU only; "
+        "empty with --ep: the all-to-all only)",
     )
     p.add_argument(
         "--ep",
@@ -71,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         print(f"pwgpu profile: error: unknown ops {bad}; allowed: {', '.join(OP_GROUPS)}", file=sys.stderr)
         return 2
+    if not ops and args.ep is None:
+        msg = f"--ops is empty; give op groups of {', '.join(OP_GROUPS)} or --ep"
+        print(f"pwgpu profile: error: {msg}", file=sys.stderr)
+        return 2
     a2a_sizes = _a2a_sizes(args, loaded) if args.ep is not None else ()
     t0 = time.perf_counter()
 
@@ -83,10 +88,11 @@ def run(args: argparse.Namespace) -> int:
 
         from pwgpu.profile_a2a import check_world, profile_all_to_all
 
-        save(df, {**meta, "complete": False})
+        if len(df):  # what the kernels gave, kept should the all-to-all fail
+            save(df, {**meta, "complete": False})
         device_type = _device_type(args)
         rows = profile_all_to_all(args.ep, device_type, a2a_sizes, models[0].name)
-        df = pd.concat([df, pd.DataFrame(rows)], ignore_index=True)
+        df = pd.concat([df, pd.DataFrame(rows)], ignore_index=True) if len(df) else pd.DataFrame(rows)
         meta["all_to_all"] = {"ranks": args.ep, "backend": check_world(args.ep, device_type)}
     save(df, meta)
     print(f"wrote {len(df)} rows for {', '.join(m.name for m in models)} on {meta['device']} to {args.out} "
