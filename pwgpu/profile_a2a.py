@@ -26,8 +26,8 @@ from pagedweight.errors import ConfigError
 
 KiB, MiB = 1 << 10, 1 << 20
 # Powers of four: on a GPU from a few KiB (latency-bound) to tens of MiB (a large prefill's
-# dispatch); on a CPU gloo copies through shared memory at a few GB/s, so stop at 1 MiB to keep
-# the run short.
+# dispatch); on a CPU gloo goes through loopback TCP at about 1 GB/s (benchmarks/RESULTS.md), so
+# stop at 1 MiB to keep the run short.
 A2A_BYTES = {
     "cuda": tuple(4 * KiB * 4**i for i in range(8)),  # 4 KiB .. 64 MiB
     "cpu": tuple(4 * KiB * 4**i for i in range(5)),  # 4 KiB .. 1 MiB

@@ -2,8 +2,8 @@
 
 Times the MoE expert FFN per precision over tokens-per-expert x active experts, attention
 prefill and decode, the dense per-layer ops, the LM head, quantisation, the CPU engine's
-dequantisation and host-to-device copies (with --ep N also the all-to-all of N ranks), and writes the long CSV of
-pagedweight/config/kernel_table.py plus its .meta.yaml. On a machine without a GPU it times the
+dequantisation and host-to-device copies (with --ep N also the all-to-all of N ranks), and
+writes the long CSV of pagedweight/config/kernel_table.py plus its .meta.yaml. On a machine without a GPU it times the
 CPU engine's PyTorch path (use --scenario or --grid small).
 """
 
@@ -109,7 +109,8 @@ def _device_type(args: argparse.Namespace) -> str:
 def _a2a_sizes(args: argparse.Namespace, loaded) -> tuple[int, ...]:
     """The all-to-all sizes for --ep (checked before the kernels are timed): the device's
     default grid, or with --scenario up to one rank's whole batch of token copies (every copy
-    sent to another rank), which a balanced replica's busiest rank does not exceed."""
+    sent to another rank): what a rank sends at most, and about what the busiest rank of a
+    replica with even batches and routing receives at most."""
     from pwgpu.profile_a2a import a2a_bytes_grid, check_world
 
     device_type = _device_type(args)
