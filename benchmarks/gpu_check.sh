@@ -8,7 +8,8 @@
 # Last, with the time left of a 9-minute whole, the engine serves a DeepSeek-V3-shaped FP8
 # model cut to 4 layers (2 dense + 2 MoE layers of 256 experts, random weights): MLA attention
 # over the paged latent cache and the fused MoE kernel on FP8-block and INT4 experts at
-# DeepSeek's shapes.
+# DeepSeek's shapes. On 2 or more GPUs it also checks expert parallelism over NCCL against one
+# GPU and profiles the all-to-all of two ranks.
 # Everything it writes lands under $OUT (default ./gpu_check_out); summary.txt says which
 # stage finished. Commit $OUT/h200.csv (+ meta) as traces/kernels/h200.csv and the figures.
 #
@@ -94,8 +95,17 @@ print('tokens equal:', ok, 'max logit difference:', d); sys.exit(0 if ok and d <
   # The launch path: `pwgpu run --ep 2` spawns two NCCL ranks, one per GPU, and every request finishes.
   stage ep_run_2gpu 120 bash -c "python3 -m pwgpu.cli run --scenario scenarios/cpu_validate.yaml --ep 2 \
     --out '$OUT/ep_run_2gpu' && test \$(grep -c '24/24 done' '$OUT/ep_run_2gpu.log') -eq 2"
+  # The all-to-all of two ranks over NCCL (op all_to_all, 4 KiB to 64 MiB per rank), added to the
+  # table just measured so that pwsim times a 2-GPU replica's dispatch and combine from it.
+  stage a2a_2gpu 60 python3 -m pwgpu.cli profile --model mixtral-8x7b --ops "" --ep 2 --device cuda \
+    --out "$OUT/a2a_2gpu.csv"
+  if grep ",all_to_all," "$OUT/a2a_2gpu.csv" > "$OUT/a2a_rows.csv" 2> /dev/null && [ -f "$OUT/h200.csv" ]; then
+    cat "$OUT/a2a_rows.csv" >> "$OUT/h200.csv" && cp "$OUT/h200.csv" traces/kernels/h200.csv
+    cut -d, -f6,10,11 "$OUT/a2a_rows.csv" | sed 's/^/all_to_all ranks,bytes,p50_us: /' | tee -a "$OUT/summary.txt"
+  fi
 else
-  echo "ep_2gpu: skipped: expert parallelism needs 2 or more GPUs and this machine has $NUM_GPUS" | tee -a "$OUT/summary.txt"
+  echo "ep_2gpu, ep_run_2gpu, a2a_2gpu: skipped: expert parallelism needs 2 or more GPUs and this machine has $NUM_GPUS" \
+    | tee -a "$OUT/summary.txt"
 fi
 wait "$DEEPSEEK_MODEL_PID" || echo "random DeepSeek model: failed (see random_deepseek.log)" | tee -a "$OUT/summary.txt"
 # One policy per run, so that what finishes is kept: FP8-block experts as shipped, then INT4.

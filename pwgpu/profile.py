@@ -51,6 +51,9 @@ NOTES = (
     "dequantise inside the MoE call: no rows)",
     "meta 'upgrades': synchronous on a CPU (no copy stream: an upgrade is written inside the step that "
     "starts it), asynchronous on a GPU (a side stream overlaps the copy with compute)",
+    "all_to_all (only with --ep N; pwgpu/profile_a2a.py): one all_to_all_single of N ranks (gloo on a CPU, "
+    "NCCL on N GPUs) with equal splits, not the engine's uneven ones; batch = N, bytes = what each rank sends "
+    "to the other ranks; the slowest rank's time after a barrier; measured once, under the first model",
 )
 
 

@@ -19,8 +19,11 @@ for every rank):
 3. each rank's compute time is its latency model's step time for its own batch and its own
    experts' token counts (``rank_compute_s``; an idle rank: its experts only), plus its
    downgrades' quantise time and its KV swaps;
-4. the step takes ``max(rank compute) + all-to-all`` (``a2a_time_s``: dispatch and combine in
-   every MoE layer, over the GPU spec's interconnect), and every rank's step ends then.
+4. the step takes ``max(rank compute) + all-to-all`` (dispatch and combine in every MoE layer
+   at the busiest rank's bytes: ``a2a_time_s`` over the GPU spec's interconnect, or, when the
+   latency model is a table with ``all_to_all`` rows for ``ep`` ranks, ``a2a_table_time_s`` from
+   those measurements; a table without them falls back to the spec and the run's notes say so),
+   and every rank's step ends then.
 
 Where each rank's tokens go is not drawn per rank: tokens at a rank's experts come from the
 ranks in proportion to their batch sizes (routing does not depend on where a token's request
@@ -60,6 +63,7 @@ from pagedweight.workload.traces import RequestTrace
 from pwsim.engine import SimEngine, UrgentTimeout, run_until
 from pwsim.router import RequestRouter
 from pwsim.routing import RoutingSampler
+from pwsim.table_latency import A2aGrid
 
 _UNREPORTED = np.zeros((0, 0), dtype=np.int64)  # a rank's routing before every rank has scheduled
 _WAIT = object()  # what a rank's step "waits on": the lockstep driver resumes it
@@ -85,6 +89,13 @@ def a2a_volumes(rank_tokens: np.ndarray, expert_tokens: np.ndarray, top_k: int) 
     return send, recv
 
 
+def a2a_busiest_bytes(rank_tokens: np.ndarray, expert_tokens: np.ndarray, top_k: int, copy_bytes: int) -> np.ndarray:
+    """(L,) the busiest rank's bytes in each MoE layer's dispatch: the larger of what it sends
+    and receives, ``copy_bytes`` per token copy."""
+    send, recv = a2a_volumes(rank_tokens, expert_tokens, top_k)
+    return np.maximum(send, recv).max(axis=1) * copy_bytes
+
+
 def a2a_time_s(
     rank_tokens: np.ndarray,
     expert_tokens: np.ndarray,
@@ -99,10 +110,49 @@ def a2a_time_s(
     over its link. 0 on one GPU or for a step without tokens."""
     if len(rank_tokens) <= 1 or rank_tokens.sum() <= 0:
         return 0.0
-    send, recv = a2a_volumes(rank_tokens, expert_tokens, top_k)
-    busiest = np.maximum(send, recv).max(axis=1)  # (L,) token copies
-    per_layer_s = latency_s + busiest * (hidden_size * bytes_per_value) / bandwidth_bytes_per_s
-    return 2.0 * float(per_layer_s.sum())
+    busiest = a2a_busiest_bytes(rank_tokens, expert_tokens, top_k, hidden_size * bytes_per_value)
+    return 2.0 * float((latency_s + busiest / bandwidth_bytes_per_s).sum())
+
+
+def a2a_table_time_s(
+    rank_tokens: np.ndarray,
+    expert_tokens: np.ndarray,
+    top_k: int,
+    copy_bytes: int,
+    grid: A2aGrid,
+    bandwidth_bytes_per_s: float,
+    latency_s: float,
+) -> tuple[float, int, float]:
+    """Dispatch plus combine in every MoE layer from measured ``all_to_all`` rows (``grid``, one
+    group size) at the busiest rank's bytes; a layer beyond the largest size measured is timed
+    as ``a2a_time_s`` times it. Returns (seconds, layers beyond the grid, the largest such
+    layer's bytes)."""
+    if len(rank_tokens) <= 1 or rank_tokens.sum() <= 0:
+        return 0.0, 0, 0.0
+    busiest = a2a_busiest_bytes(rank_tokens, expert_tokens, top_k, copy_bytes)
+    per_layer_s = grid.layer_s(busiest)
+    beyond = np.isnan(per_layer_s)
+    if not beyond.any():
+        return 2.0 * float(per_layer_s.sum()), 0, 0.0
+    per_layer_s[beyond] = latency_s + busiest[beyond] / bandwidth_bytes_per_s
+    return 2.0 * float(per_layer_s.sum()), int(beyond.sum()), float(busiest[beyond].max())
+
+
+def a2a_source(latency, ep: int) -> tuple[A2aGrid | None, str | None]:
+    """Where an ``ep``-rank replica's all-to-all times come from: the latency table's
+    ``all_to_all`` rows for ``ep`` ranks (the grid), or the GPU spec (None) with a one-line note
+    when the model is a table without such rows (any other model: the spec, as documented)."""
+    grids = getattr(latency, "a2a_grids", None)
+    if grids is None or ep <= 1:
+        return None, None
+    grid = grids.get(ep)
+    if grid is not None:
+        return grid, None
+    have = f"rows for {', '.join(map(str, sorted(grids)))} ranks" if grids else "no all_to_all rows"
+    return None, (
+        f"all-to-all timed from the GPU spec's interconnect: latency table {latency.cfg.path} has {have}, "
+        f"none for {ep} (measure them with `pwgpu profile --ep {ep}`)"
+    )
 
 
 # ---- the ranks ------------------------------------------------------------------------------
@@ -193,6 +243,10 @@ class EpEngine:
         self._engine_wake: simpy.Event | None = None
         self._arrivals_done = False
         self._ep_rows: list[tuple] = []
+        # The all-to-all from the latency table's rows for ep ranks, when it has them.
+        self.a2a_grid, self.a2a_note = a2a_source(self.ranks[0].latency, ep)
+        self._copy_bytes = model.hidden_size * parallel.a2a_bytes_per_value
+        self.a2a_beyond_grid = 0  # layers' exchanges larger than the table's largest size
 
     @property
     def bytes_h2d(self) -> int:
@@ -279,10 +333,19 @@ class EpEngine:
                 r.step_now.routing = local
             r.core.observe_routing(local)
             compute_s[i] = r.compute_s(local)
-        a2a_s = a2a_time_s(
-            rank_tokens, expert_tokens, self.model.top_k, self.model.hidden_size, self.parallel.a2a_bytes_per_value,
-            self.gpu.peer_bandwidth_bytes_per_s, self.gpu.interconnect_latency_s,
-        )  # fmt: skip
+        if self.a2a_grid is None:
+            a2a_s = a2a_time_s(
+                rank_tokens, expert_tokens, self.model.top_k, self.model.hidden_size,
+                self.parallel.a2a_bytes_per_value, self.gpu.peer_bandwidth_bytes_per_s, self.gpu.interconnect_latency_s,
+            )  # fmt: skip
+        else:
+            a2a_s, beyond, largest = a2a_table_time_s(
+                rank_tokens, expert_tokens, self.model.top_k, self._copy_bytes, self.a2a_grid,
+                self.gpu.peer_bandwidth_bytes_per_s, self.gpu.interconnect_latency_s,
+            )  # fmt: skip
+            if beyond:
+                self.a2a_beyond_grid += beyond
+                self.ranks[0].latency.miss(f"all_to_all/{self.ep} ranks", beyond, f"bytes={largest:.0f}")
         slowest = int(np.argmax(compute_s))
         mean_s = float(compute_s.mean())
         duration_s = float(compute_s[slowest]) + a2a_s
@@ -388,7 +451,10 @@ def ep_summary(eng: EpEngine, slo: Slo, wall_s: float) -> dict:
         "mean_imbalance": float((ep_cols["imbalance"] * dur).sum() / total) if len(dur) else 1.0,
         "p99_imbalance": float(np.percentile(ep_cols["imbalance"], 99)) if len(dur) else 1.0,
         "a2a_share": float(ep_cols["a2a_s"].sum() / total) if len(dur) else 0.0,
+        "a2a_timing": "latency table" if eng.a2a_grid is not None else "gpu spec",
     }
+    if eng.a2a_grid is not None:  # MoE layers whose exchange the table's sizes did not reach
+        s["ep"]["a2a_beyond_table"] = eng.a2a_beyond_grid
     ranks = []
     for i, r in enumerate(eng.ranks):
         rs = policy_summary(r.requests, r.core, slo, wall_s, r.bytes_h2d)

@@ -78,6 +78,12 @@ def run_scenario(
     extra = {"parallel": ep.model_dump()} if ep.ep > 1 else {}
     if cluster.replicas > 1:
         extra["cluster"] = cluster.model_dump()
+    if ep.ep > 1:  # a table without all-to-all rows for this many GPUs: the run says so
+        from pwsim.parallel import a2a_source
+
+        note = a2a_source(latency, ep.ep)[1]
+        if note:
+            extra["notes"] = [note]
     meta = run_meta(
         runtime="pwsim",
         scenario=run.name,

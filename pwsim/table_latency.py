@@ -25,8 +25,15 @@ matrix of an expert on its first use after a precision change (the CPU engine's 
 expert is made again), and, with meta ``upgrades: synchronous``, an upgrade's ``quantize`` time
 in the step that starts it instead of a copy overlapped with compute.
 
+An expert-parallel replica (``pwsim.parallel``) times its all-to-all from the ``all_to_all``
+rows of its EP size when the table has them (``a2a_grids``, keyed by the number of ranks; rows
+under any model, since the exchange depends on bytes only): each MoE layer's dispatch and combine
+at the busiest rank's bytes, linear between the measured sizes and the smallest size's time below
+them (a call of a few KiB is latency-bound; the engine makes its calls however few rows cross).
+
 A point outside the measured range (or an op or precision the table lacks) is timed by the
-analytic fallback, warned about once per op, and counted in ``out_of_grid``.
+analytic fallback (for the all-to-all: the GPU spec's interconnect), warned about once per op,
+and counted in ``out_of_grid``.
 """
 
 from __future__ import annotations
@@ -170,6 +177,33 @@ class MoeGrid:
         return v0 + t * (self.flat[base + 1] - v0)
 
 
+class A2aGrid:
+    """The ``all_to_all`` rows of one group size: seconds per call by bytes per rank, fitted
+    non-decreasing when the table is (``monotone``) and scaled by the table's ``scale``."""
+
+    def __init__(self, num_bytes: np.ndarray, seconds: np.ndarray):
+        self.num_bytes, self.seconds = num_bytes, seconds
+        self.max_bytes = float(num_bytes[-1])
+
+    @classmethod
+    def from_rows(cls, rows: pd.DataFrame, monotone: bool, scale: float) -> A2aGrid:
+        per_size = rows.groupby("bytes")["latency_us_p50"].mean()  # sorted by bytes
+        seconds = per_size.to_numpy(np.float64) * 1e-6
+        if monotone and len(seconds) > 1:
+            from scipy.optimize import isotonic_regression
+
+            seconds = isotonic_regression(seconds).x
+        return cls(per_size.index.to_numpy(np.float64), seconds * scale)
+
+    def layer_s(self, num_bytes: np.ndarray) -> np.ndarray:
+        """Seconds of one call at each size: linear between measured sizes, the smallest
+        size's time below them, NaN above the largest (the caller's fallback)."""
+        v = np.interp(num_bytes, self.num_bytes, self.seconds)
+        if num_bytes.max(initial=0.0) > self.max_bytes:
+            v[num_bytes > self.max_bytes] = np.nan
+        return v
+
+
 class TableLatencyModel:
     name = "table"
 
@@ -198,6 +232,20 @@ class TableLatencyModel:
                 if prec in PRECISION_ID:
                     grid = Grid.from_rows(part, xcol, ycol, f"{self.path}: op {op}, precision {prec}", cfg.monotone)
                     self.grids[(op, PRECISION_ID[prec])] = grid
+        # The all-to-all per number of ranks (``batch``); the exchange depends on bytes, not the model.
+        a2a = mine[mine["op"] == "all_to_all"]
+        if a2a.empty:
+            a2a = df[df["op"] == "all_to_all"]
+        bad = (a2a["batch"] < 2) | (a2a["bytes"] <= 0)
+        if bad.any():
+            row = a2a[bad].iloc[0]
+            raise SpecError(
+                f"{self.path}: line {int(a2a[bad].index[0]) + 2}: op all_to_all needs batch (ranks) >= 2 and "
+                f"bytes > 0 (got batch={row['batch']}, bytes={row['bytes']})"
+            )
+        self.a2a_grids: dict[int, A2aGrid] = {
+            int(world): A2aGrid.from_rows(part, cfg.monotone, cfg.scale) for world, part in a2a.groupby("batch")
+        }
         moe = {key[1]: g for key, g in self.grids.items() if isinstance(key, tuple) and key[0] == "moe_ffn"}
         self.moe_grid = MoeGrid(moe, model.num_experts) if moe else None
         # CPU tables (kernel_table.py): experts dequantised into an fp32 copy on first use after a
@@ -210,6 +258,10 @@ class TableLatencyModel:
         self._layer_base = (np.arange(model.num_moe_layers) * self._num_precisions)[:, None]
 
     # ---- out-of-grid bookkeeping ---------------------------------------------------------
+    def miss(self, key: str, count: int, example: str) -> None:
+        """Points of ``key`` timed by the fallback: counted, and warned about once."""
+        self._miss(key, count, example)
+
     def _miss(self, key: str, count: int, example: str) -> None:
         self.out_of_grid[key] += count
         if key not in self._warned:

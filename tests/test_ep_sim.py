@@ -181,3 +181,120 @@ def test_report_shows_each_gpu_and_the_imbalance(tmp_path):
     assert "GPUs of the expert-parallel replica" in page and "slowest in" in page
     assert (tmp_path / "rep" / "out_imbalance.png").is_file()
     assert (tmp_path / "rep" / "out_gpu_memory1.png").is_file()
+
+
+# ---- the all-to-all from a latency table's all_to_all rows ----------------------------------
+A2A_BYTES = [4096, 65536, 1048576, 4194304]  # bytes per rank
+A2A_US = [50.0, 80.0, 300.0, 1000.0]
+
+
+def _table_scenario(tmp_path, a2a_ranks=(2,), extra_rows=(), num_sizes=4):
+    """The hand scenario on 2 GPUs with 2 MoE layers, timed by a table: one dense row for the
+    model and ``all_to_all`` rows for each of ``a2a_ranks`` (written under another model: the
+    exchange does not depend on it)."""
+    from pagedweight.config.kernel_table import write_kernel_table
+
+    rows = [{"model": "ep-hand", "op": "dense", "precision": "-", "m": 1, "latency_us_p50": 10.0}]
+    for ranks in a2a_ranks:
+        rows += [
+            dict(model="tiny-moe", op="all_to_all", precision="-", batch=ranks, bytes=b, latency_us_p50=us)
+            for b, us in zip(A2A_BYTES[:num_sizes], A2A_US[:num_sizes], strict=True)
+        ]
+    df = pd.DataFrame([*rows, *extra_rows])
+    for col in ("m", "e", "batch", "kv_len", "n", "k", "bytes"):
+        df[col] = df[col].fillna(0).astype(int) if col in df else 0
+    df["latency_us_p20"] = df["latency_us_p80"] = df["latency_us_p50"]
+    df["samples"] = 1
+    meta = {"device": "test", "date": "2026-12-01", "torch": "-", "triton": "-", "cuda": "none",
+            "models": ["ep-hand"], "grid": "test"}  # fmt: skip
+    write_kernel_table(df, tmp_path / "k.csv", meta)
+    _scenario(tmp_path)
+    (tmp_path / "spec2.yaml").write_text(yaml.safe_dump({**SPEC, "num_layers": 2}))
+    raw = yaml.safe_load((tmp_path / "s.yaml").read_text())
+    raw.update(model="spec2.yaml", parallel={"ep": 2}, policies=["static-fp16"])
+    raw["latency"] = {"kind": "table", "path": "k.csv"}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(raw))
+    return load_scenario(tmp_path / "s.yaml")
+
+
+def _run_quietly(loaded, out):
+    import warnings
+
+    with warnings.catch_warnings():  # ops the table lacks are timed by the fallback, warned once
+        warnings.simplefilter("ignore")
+        return run_scenario(loaded, out, report=False)
+
+
+def test_ep_step_takes_its_all_to_all_from_the_tables_rows(tmp_path):
+    summary = _run_quietly(_table_scenario(tmp_path), tmp_path / "out")
+    ep = pd.read_csv(tmp_path / "out" / "ep_steps.csv")
+    assert len(ep) > 1
+    copy_bytes = SPEC["hidden_size"] * 2  # bf16 values per token copy
+    layers = 2
+    for _, row in ep.iterrows():
+        n = np.array([row["tokens_r0"], row["tokens_r1"]])
+        # ep_steps.csv sums the layers' routed tokens; every layer's are alike (all experts chosen)
+        x = np.array([[row["expert_tokens_r0"], row["expert_tokens_r1"]]] * layers) / layers
+        send, recv = a2a_volumes(n, x, top_k=8)
+        busiest = float(np.maximum(send, recv).max()) * copy_bytes
+        # Linear between the rows; below the smallest size, the smallest size's time.
+        per_call_s = np.interp(busiest, A2A_BYTES, A2A_US) * 1e-6
+        assert row["a2a_s"] == pytest.approx(per_call_s * layers * 2)
+    # Step 0, by hand: the 8 prompts (3,600 tokens) split 1,600 / 2,000 over the two GPUs (least
+    # outstanding: requests alternate); every token visits 4 experts on each GPU, so GPU 1 keeps
+    # 4 x 2,000 of its 8 x 2,000 copies and sends 8,000 = 1,024,000 bytes; GPU 0 receives as much.
+    first = ep.iloc[0]
+    assert (first["tokens_r0"], first["tokens_r1"]) == (1600, 2000)
+    want_s = np.interp(8000 * copy_bytes, A2A_BYTES, A2A_US) * 1e-6 * layers * 2
+    assert first["a2a_s"] == pytest.approx(want_s)
+    s = summary["policies"]["static-fp16"]["ep"]
+    assert s["a2a_timing"] == "latency table" and s["a2a_beyond_table"] == 0
+    assert "notes" not in summary
+
+
+def test_ep_without_rows_for_its_size_uses_the_gpu_spec_and_says_so(tmp_path):
+    summary = _run_quietly(_table_scenario(tmp_path, a2a_ranks=(4, 8)), tmp_path / "out")
+    (note,) = summary["notes"]
+    assert "\n" not in note and "GPU spec" in note and "rows for 4, 8 ranks, none for 2" in note
+    assert "pwgpu profile --ep 2" in note
+    ep = pd.read_csv(tmp_path / "out" / "ep_steps.csv")
+    for _, row in ep.iterrows():
+        n = np.array([row["tokens_r0"], row["tokens_r1"]])
+        x = np.array([[row["expert_tokens_r0"], row["expert_tokens_r1"]]] * 2) / 2
+        assert row["a2a_s"] == pytest.approx(a2a_time_s(n, x, 8, SPEC["hidden_size"], 2, GPU_BW, GPU_LAT))
+    assert summary["policies"]["static-fp16"]["ep"]["a2a_timing"] == "gpu spec"
+
+
+def test_ep_exchange_beyond_the_tables_sizes_is_timed_by_the_spec_and_counted():
+    from pwsim.parallel import a2a_table_time_s
+    from pwsim.table_latency import A2aGrid
+
+    grid = A2aGrid(np.array(A2A_BYTES, dtype=float), np.array(A2A_US) * 1e-6)
+    n = np.array([10, 10])
+    x = np.array([[80, 80], [150, 10]])  # busiest: 40 and 75 copies of 64 KiB, under and past 4 MiB
+    t, beyond, largest = a2a_table_time_s(n, x, 8, 65536, grid, 1e9, 1e-5)
+    busiest = np.maximum(*a2a_volumes(n, x, 8)).max(axis=1) * 65536
+    assert busiest.tolist() == [40 * 65536, 75 * 65536]
+    assert busiest[0] <= A2A_BYTES[-1] < busiest[1]
+    assert (beyond, largest) == (1, busiest[1])
+    assert t == pytest.approx(2 * (np.interp(busiest[0], A2A_BYTES, A2A_US) * 1e-6 + 1e-5 + busiest[1] / 1e9))
+    assert a2a_table_time_s(n[:1], x[:, :1], 8, 65536, grid, 1e9, 1e-5) == (0.0, 0, 0.0)  # one GPU
+
+
+def test_a_run_past_the_tables_sizes_warns_and_counts_the_layers(tmp_path):
+    loaded = _table_scenario(tmp_path, num_sizes=2)  # up to 64 KiB: step 0 moves 1,024,000 bytes
+    with pytest.warns(UserWarning, match="all_to_all/2 ranks at bytes=1024000 is outside the measured grid"):
+        summary = run_scenario(loaded, tmp_path / "out", report=False)
+    first = pd.read_csv(tmp_path / "out" / "ep_steps.csv").iloc[0]
+    assert first["a2a_s"] == pytest.approx(2 * 2 * (GPU_LAT + 8000 * 128 / GPU_BW))
+    assert summary["policies"]["static-fp16"]["ep"]["a2a_beyond_table"] == 2  # step 0's two layers
+
+
+def test_bad_all_to_all_rows_are_one_line_errors(tmp_path):
+    from pagedweight.errors import SpecError
+
+    bad = {"model": "ep-hand", "op": "all_to_all", "precision": "-", "batch": 1, "bytes": 4096, "latency_us_p50": 5.0}
+    with pytest.raises(SpecError) as e:
+        _run_quietly(_table_scenario(tmp_path, extra_rows=[bad]), tmp_path / "out")
+    msg = str(e.value)
+    assert "\n" not in msg and "k.csv: line 7" in msg and "batch (ranks) >= 2" in msg, msg

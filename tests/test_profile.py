@@ -173,3 +173,56 @@ def test_mla_attention_is_timed_on_the_engines_latent_cache(tmp_path):
     df, meta = read_kernel_table(out)
     assert set(df["op"]) == {"attn_prefill", "attn_decode"} and (df["latency_us_p50"] > 0).all()
     assert any("absorbed latent attention" in n for n in meta["notes"])
+
+
+@pytest.mark.e2e
+def test_ep_adds_all_to_all_rows_of_two_gloo_ranks(tmp_path):
+    """`pwgpu profile --ep 2` on the CPU: two gloo ranks time the all-to-all over the CPU's sizes;
+    the rows load into the table latency model for 2 ranks."""
+    from pagedweight.config.latency import TableLatencyConfig
+    from pagedweight.core.spec import load_gpu
+    from pwgpu.profile_a2a import A2A_BYTES
+    from pwsim.table_latency import TableLatencyModel
+
+    out = tmp_path / "cpu.csv"
+    cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--model", "tiny-moe", "--out", str(out), "--grid", "small",
+           "--device", "cpu", "--ops", "h2d_copy", "--ep", "2"]  # fmt: skip
+    done = proc.run(cmd, quiet_s=20)
+    assert done.returncode == 0, done.stderr
+    df, meta = read_kernel_table(out)
+    assert meta["all_to_all"] == {"ranks": 2, "backend": "gloo"} and meta["complete"] is True
+    assert any(note.startswith("all_to_all") for note in meta["notes"])
+    a2a = df[df["op"] == "all_to_all"].sort_values("bytes")
+    assert set(df["op"]) == {"h2d_copy", "all_to_all"}
+    assert (a2a["batch"] == 2).all() and (a2a["model"] == "tiny-moe").all() and (a2a["precision"] == "-").all()
+    assert a2a["bytes"].tolist() == list(A2A_BYTES["cpu"])
+    assert (a2a[["m", "e", "kv_len", "n", "k"]] == 0).all().all()
+    p50 = a2a["latency_us_p50"].to_numpy()
+    assert (p50 > 0).all() and (a2a["latency_us_p20"] <= a2a["latency_us_p50"]).all()
+    assert (a2a["latency_us_p50"] <= a2a["latency_us_p80"]).all()
+    # 1 MiB per rank against 4 KiB: more bytes, more time (against the small size's fast samples,
+    # which a descheduled rank on a loaded machine does not slow down).
+    assert p50[-1] > a2a["latency_us_p20"].iloc[0], a2a.to_string()
+    cfg = TableLatencyConfig(kind="table", path=str(out))
+    lm = TableLatencyModel(cfg, load_model("tiny-moe"), load_gpu("h200"), tmp_path)
+    assert set(lm.a2a_grids) == {2}
+    assert lm.a2a_grids[2].num_bytes.tolist() == list(A2A_BYTES["cpu"])
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--ep", "1"], ["--ep 1", "2 or more ranks"]),
+        (["--ep", "64", "--device", "cuda"], ["--ep 64 on cuda needs 64 GPUs", "--device cpu"]),
+        (["--ep", "2", "--device", "meta"], ["cpu (gloo) or cuda (NCCL)", "'meta'"]),
+        (["--ops", ""], ["--ops is empty", "or --ep"]),
+    ],
+)
+def test_bad_ep_is_a_one_line_error_before_anything_is_timed(tmp_path, capsys, args, words):
+    from pwgpu.cli import main
+
+    out = tmp_path / "x.csv"
+    assert main(["profile", "--model", "tiny-moe", "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and all(w in err for w in words), err
+    assert not out.exists()

@@ -15,10 +15,10 @@ Columns (unused keys are 0 for an op):
 | precision       | weight precision name (``pagedweight.core.spec.PRECISIONS``), or ``-``       |
 | m               | tokens (per expert for ``moe_ffn``; total for ``dense``/``lm_head``/``attn_prefill``) |
 | e               | active experts in the call (``moe_ffn``)                                |
-| batch           | sequences (``attn_decode``)                                             |
+| batch           | sequences (``attn_decode``); ranks in the group (``all_to_all``)        |
 | kv_len          | context length in tokens (attention ops)                                |
 | n, k            | matrix shape: output rows, input columns (``moe_ffn``: n = F, k = H; ``quantize``) |
-| bytes           | bytes moved (``h2d_copy``)                                              |
+| bytes           | bytes moved (``h2d_copy``); per rank to the other ranks (``all_to_all``) |
 | latency_us_p50  | median latency in microseconds; ``_p20`` and ``_p80`` give the spread   |
 | samples         | timed repetitions behind the percentiles                                |
 
@@ -37,6 +37,13 @@ Ops, all *per layer* where the model has layers:
   first use in a run), so a precision change costs this besides its ``quantize``. A table
   without these rows (a GPU's, whose MoE kernel reads the packed pages) charges nothing.
 - ``h2d_copy``: copy ``bytes`` from pinned host memory to the device.
+- ``all_to_all`` (``pwgpu profile --ep N``): one ``all_to_all_single`` among ``batch`` = N ranks
+  (processes, one GPU each, or gloo on a CPU) in which every rank sends ``bytes`` to the other
+  ranks in equal shares (its input also holds its own share) and receives as much; the slowest
+  rank's time. Not per layer and not per model: the simulator charges it twice per MoE layer
+  (dispatch, combine) at the busiest rank's bytes, from the rows of its replica's EP size, for
+  any model (the rows are written under the first model profiled). Meta ``all_to_all``: the
+  ranks and the backend (``gloo``, ``nccl``).
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ import yaml
 from pagedweight.core.spec import PRECISIONS
 from pagedweight.errors import SpecError, read_yaml_mapping
 
-OPS = ("moe_ffn", "attn_prefill", "attn_decode", "dense", "lm_head", "quantize", "dequantize", "h2d_copy")
+OPS = ("moe_ffn", "attn_prefill", "attn_decode", "dense", "lm_head", "quantize", "dequantize", "h2d_copy",
+       "all_to_all")  # fmt: skip
 # The op groups ``pwgpu profile --ops`` measures (``attention`` writes both attention ops, ``dense``
 # also ``lm_head``), in the order it measures them.
 OP_GROUPS = ("moe_ffn", "attention", "dense", "quantize", "dequantize", "h2d_copy")

@@ -2,8 +2,8 @@
 
 Times the MoE expert FFN per precision over tokens-per-expert x active experts, attention
 prefill and decode, the dense per-layer ops, the LM head, quantisation, the CPU engine's
-dequantisation and host-to-device copies, and writes the long CSV of
-pagedweight/config/kernel_table.py plus its .meta.yaml. On a machine without a GPU it times the
+dequantisation and host-to-device copies (with --ep N also the all-to-all of N ranks), and
+writes the long CSV of pagedweight/config/kernel_table.py plus its .meta.yaml. On a machine without a GPU it times the
 CPU engine's PyTorch path (use --scenario or --grid small).
 """
 
@@ -38,7 +38,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ops",
         default=",".join(OP_GROUPS),
-        help=f"op groups to measure (comma list of {', '.join(OP_GROUPS)}; dequantize: CPU only)",
+        help=f"op groups to measure (comma list of {', '.join(OP_GROUPS)}; dequantize: CPU only; "
+        "empty with --ep: the all-to-all only)",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        metavar="N",
+        help="also time the expert-parallel all-to-all (op all_to_all) on N >= 2 ranks: gloo processes on a "
+        "CPU, NCCL on N GPUs (with --scenario up to the scenario's largest dispatch)",
     )
 
 
@@ -47,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from pwgpu.loader import SCENARIO_DTYPE
     from pwgpu.profile import profile
 
-    grid, models = args.grid, []
+    grid, models, loaded = args.grid, [], None
     if args.scenario:
         loaded, grid = _fitted_grid(args.scenario)
         models = [] if args.model else [loaded.model]
@@ -64,16 +72,54 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         print(f"pwgpu profile: error: unknown ops {bad}; allowed: {', '.join(OP_GROUPS)}", file=sys.stderr)
         return 2
+    if not ops and args.ep is None:
+        msg = f"--ops is empty; give op groups of {', '.join(OP_GROUPS)} or --ep"
+        print(f"pwgpu profile: error: {msg}", file=sys.stderr)
+        return 2
+    a2a_sizes = _a2a_sizes(args, loaded) if args.ep is not None else ()
     t0 = time.perf_counter()
 
     def save(table, meta) -> None:
         write_kernel_table(table, args.out, meta)
 
     df, meta = profile(models, grid, args.device, precisions, ops, on_progress=save, dtype=args.dtype)
+    if a2a_sizes:
+        import pandas as pd
+
+        from pwgpu.profile_a2a import check_world, profile_all_to_all
+
+        if len(df):  # what the kernels gave, kept should the all-to-all fail
+            save(df, {**meta, "complete": False})
+        device_type = _device_type(args)
+        rows = profile_all_to_all(args.ep, device_type, a2a_sizes, models[0].name)
+        df = pd.concat([df, pd.DataFrame(rows)], ignore_index=True) if len(df) else pd.DataFrame(rows)
+        meta["all_to_all"] = {"ranks": args.ep, "backend": check_world(args.ep, device_type)}
     save(df, meta)
     print(f"wrote {len(df)} rows for {', '.join(m.name for m in models)} on {meta['device']} to {args.out} "
           f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
     return 0
+
+
+def _device_type(args: argparse.Namespace) -> str:
+    import torch
+
+    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).type
+
+
+def _a2a_sizes(args: argparse.Namespace, loaded) -> tuple[int, ...]:
+    """The all-to-all sizes for --ep (checked before the kernels are timed): the device's
+    default grid, or with --scenario up to one rank's whole batch of token copies (every copy
+    sent to another rank): what a rank sends at most, and about what the busiest rank of a
+    replica with even batches and routing receives at most."""
+    from pwgpu.profile_a2a import a2a_bytes_grid, check_world
+
+    device_type = _device_type(args)
+    check_world(args.ep, device_type)
+    if loaded is None:
+        return a2a_bytes_grid(device_type)
+    sc, spec = loaded.scenario, loaded.model
+    copy_bytes = spec.hidden_size * sc.parallel.a2a_bytes_per_value
+    return a2a_bytes_grid(device_type, sc.scheduler.max_num_batched_tokens * spec.top_k * copy_bytes)
 
 
 def _fitted_grid(path: str):

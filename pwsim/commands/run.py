@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     print(summary["importance"])
     for note in summary["trace"]["notes"]:
         print(f"trace: {note}")
+    for note in summary.get("notes", []):
+        print(f"note: {note}")
     print(format_table(summary))
     print(f"results: {out}/ (summary.json, requests.csv, steps.csv, report.html)")
     return 0
