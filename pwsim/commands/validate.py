@@ -208,13 +208,23 @@ def _calibrate(args: argparse.Namespace, real_dir: Path, sim_dir: Path) -> tuple
                      progress=False, report=False)  # fmt: skip
 
     scale, overhead, runs = initial_scale, initial, 0
+    last: tuple[float, float] | None = None  # (overhead, gap) of the previous run at this scale
     while runs < CALIBRATION_MAX_RUNS:
         gap = step_time_gap_s(real_dir, cal_dir if runs else sim_dir, fit_on)
         if runs and abs(gap) < CALIBRATION_TOLERANCE * real_step_s:
             break
         if overhead + gap >= 0 or not is_table:
-            overhead = max(0.0, overhead + gap)
+            step = gap
+            # A step's overhead also changes the batches (slower steps gather more tokens), so
+            # the gap does not move one for one with it: after two runs, a secant step.
+            if last is not None and last[1] != gap and last[0] != overhead:
+                secant = gap * (overhead - last[0]) / (last[1] - gap)
+                if secant > 0 if gap > 0 else secant < 0:  # same direction, else the plain step
+                    step = secant
+            last = (overhead, gap)
+            overhead = max(0.0, overhead + step)
         else:  # the table alone takes longer than the real steps: scale its times to fit
+            last = None
             kernels_s = real_step_s - gap - overhead  # the simulated mean step without overhead
             scale *= real_step_s / kernels_s
             overhead = 0.0
