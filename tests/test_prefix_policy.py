@@ -318,3 +318,9 @@ def test_pagedweight_keeps_a_multiturn_cache_that_vllms_order_gives_away():
     assert kept.scheduler.prefix_hit_tokens > plain.scheduler.prefix_hit_tokens
     assert kept.num_transitions[DOWNGRADE] >= plain.num_transitions[DOWNGRADE]
     assert kept.scheduler.num_preemptions == plain.scheduler.num_preemptions == 0
+    # summary.json reports the ghost hits the policy priced the cache by (0 without a list).
+    from pagedweight.results.writer import prefix_summary
+
+    steps = {"kv_pages": np.array([1]), "kv_cached_pages": np.array([0])}
+    assert prefix_summary(kept, steps)["prefix_ghost_hits"] == kept.kv.ghosts.num_hits > 0
+    assert prefix_summary(plain, steps)["prefix_ghost_hits"] == 0

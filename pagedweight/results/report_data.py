@@ -45,6 +45,7 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("prefix_cache_hit_rate", "prefix cache hit rate (prompt tokens)", "{:.1%}", "higher"),
     ("prefill_tokens_saved", "prefill tokens saved by prefix caching", "{:.0f}", "higher"),
     ("num_evicted_blocks", "cached prefix blocks evicted", "{:.0f}", ""),
+    ("prefix_ghost_hits", "evicted prefix blocks asked for again (ghost hits)", "{:.0f}", "lower"),
     ("peak_kv_gib", "peak KV held by requests (GiB)", "{:.2f}", "lower"),
     ("rejected", "rejected requests", "{:.0f}", "lower"),
     ("unfinished", "unfinished requests", "{:.0f}", "lower"),

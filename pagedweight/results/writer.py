@@ -140,8 +140,9 @@ def _precisions_used(core: RuntimeCore) -> list[str]:
 
 def prefix_summary(core: RuntimeCore, steps: dict[str, np.ndarray]) -> dict:
     """Prefix caching's figures: the share of prompt tokens looked up that were found cached
-    (vLLM's prefix cache hit rate), the prefill tokens that saved, the cached blocks evicted, and
-    the peak KV memory held by requests and by the cache."""
+    (vLLM's prefix cache hit rate), the prefill tokens that saved, the cached blocks evicted, the
+    ghost hits (evicted blocks asked for again, which is what pagedweight prices the cache by;
+    0 where no ghost list is kept) and the peak KV memory held by requests and by the cache."""
     sched, page_bytes = core.scheduler, core.pool.page_bytes
     kv, cached = steps["kv_pages"], steps["kv_cached_pages"]
     return {
@@ -151,6 +152,7 @@ def prefix_summary(core: RuntimeCore, steps: dict[str, np.ndarray]) -> dict:
         else 0.0,
         "prefill_tokens_saved": int(sched.prefix_hit_tokens),
         "num_evicted_blocks": int(core.kv.num_evicted_blocks),
+        "prefix_ghost_hits": int(core.kv.ghosts.num_hits) if core.kv.ghosts is not None else 0,
         "peak_kv_bytes": int(kv.max()) * page_bytes if len(kv) else 0,
         "peak_kv_cached_bytes": int(cached.max()) * page_bytes if len(cached) else 0,
     }
