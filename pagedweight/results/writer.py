@@ -145,6 +145,7 @@ def prefix_summary(core: RuntimeCore, steps: dict[str, np.ndarray]) -> dict:
     0 where no ghost list is kept) and the peak KV memory held by requests and by the cache."""
     sched, page_bytes = core.scheduler, core.pool.page_bytes
     kv, cached = steps["kv_pages"], steps["kv_cached_pages"]
+    ghosts = getattr(core.kv, "ghosts", None)  # an expert-parallel replica's combined view has none
     return {
         "prefix_caching": bool(sched.prefix_caching),
         "prefix_cache_hit_rate": sched.prefix_hit_tokens / sched.prefix_query_tokens
@@ -152,7 +153,7 @@ def prefix_summary(core: RuntimeCore, steps: dict[str, np.ndarray]) -> dict:
         else 0.0,
         "prefill_tokens_saved": int(sched.prefix_hit_tokens),
         "num_evicted_blocks": int(core.kv.num_evicted_blocks),
-        "prefix_ghost_hits": int(core.kv.ghosts.num_hits) if core.kv.ghosts is not None else 0,
+        "prefix_ghost_hits": int(ghosts.num_hits) if ghosts is not None else 0,
         "peak_kv_bytes": int(kv.max()) * page_bytes if len(kv) else 0,
         "peak_kv_cached_bytes": int(cached.max()) * page_bytes if len(cached) else 0,
     }
