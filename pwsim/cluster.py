@@ -42,7 +42,7 @@ from pagedweight.policy.policies import PolicyInfeasible
 from pagedweight.results.metrics import PERCENTILES, summarize
 from pagedweight.results.writer import OPTIONAL_TABLES, TABLES, policy_summary, write_policy_tables
 from pagedweight.workload.traces import RequestTrace
-from pwsim.engine import run_until
+from pwsim.engine import replay_arrivals, run_until
 from pwsim.router import RequestRouter
 
 ITL_BIN_MS = 0.01
@@ -153,19 +153,11 @@ def simulate_routed_cluster(loaded: LoadedScenario, run: ScenarioRun, policy: st
     router = RequestRouter(loaded.scenario.cluster.router, [e.cores for e in engines])
     trace = run.trace
 
-    def arrivals(env):
-        from pwsim.engine import UrgentTimeout
-
-        for i in range(len(trace)):
-            delay = float(trace.arrival_s[i]) - env.now
-            if delay > 0:
-                yield UrgentTimeout(env, delay)
-            req = Request(i, float(trace.arrival_s[i]), int(trace.prompt_tokens[i]), int(trace.output_tokens[i]))
-            engines[router.choose()].accept(req)
+    def close() -> None:
         for e in engines:
             e.close_arrivals()
 
-    env.process(arrivals(env))
+    env.process(replay_arrivals(env, trace, lambda req: engines[router.choose()].accept(req), close))
     _run(env, [e.start(arrivals=False) for e in engines], trace, progress)
     return [
         {"policy": policy, "replica": i, **_replica_result(e, policy, i, None, Path(parts_dir) / str(i), run, wall0)}

@@ -51,6 +51,18 @@ class UrgentTimeout(Event):
         env.schedule(self, URGENT, delay_s)
 
 
+def replay_arrivals(env: simpy.Environment, trace, accept, close):
+    """A SimPy process: each request of ``trace`` handed to ``accept`` at its arrival time (its
+    id is its row), then ``close()`` (no more arrivals). One engine, an expert-parallel
+    replica and a routed cluster all feed their requests this way."""
+    for i in range(len(trace)):
+        delay = float(trace.arrival_s[i]) - env.now
+        if delay > 0:
+            yield UrgentTimeout(env, delay)
+        accept(Request(i, float(trace.arrival_s[i]), int(trace.prompt_tokens[i]), int(trace.output_tokens[i])))
+    close()
+
+
 class SimEngine:
     def __init__(
         self,
@@ -143,13 +155,7 @@ class SimEngine:
         return own_block_keys(req.request_id, req.prompt_tokens, block_tokens), True
 
     def arrivals(self, env: simpy.Environment):
-        tr = self.trace
-        for i in range(len(tr)):
-            delay = float(tr.arrival_s[i]) - env.now
-            if delay > 0:
-                yield UrgentTimeout(env, delay)
-            self.accept(Request(i, float(tr.arrival_s[i]), int(tr.prompt_tokens[i]), int(tr.output_tokens[i])))
-        self.close_arrivals()
+        return replay_arrivals(env, self.trace, self.accept, self.close_arrivals)
 
     def copy_engine(self, env: simpy.Environment):
         in_flight = self.core.page_table.in_flight

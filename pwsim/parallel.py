@@ -60,7 +60,7 @@ from pagedweight.policy.importance import ImportanceTable
 from pagedweight.results.metrics import Slo, StepRecorder
 from pagedweight.results.writer import _write_requests, _write_steps, policy_summary
 from pagedweight.workload.traces import RequestTrace
-from pwsim.engine import SimEngine, UrgentTimeout, run_until
+from pwsim.engine import SimEngine, replay_arrivals, run_until
 from pwsim.router import RequestRouter
 from pwsim.routing import RoutingSampler
 from pwsim.table_latency import A2aGrid
@@ -275,13 +275,7 @@ class EpEngine:
         self._wake_engine()
 
     def arrivals(self, env: simpy.Environment):
-        tr = self.trace
-        for i in range(len(tr)):
-            delay = float(tr.arrival_s[i]) - env.now
-            if delay > 0:
-                yield UrgentTimeout(env, delay)
-            self.accept(Request(i, float(tr.arrival_s[i]), int(tr.prompt_tokens[i]), int(tr.output_tokens[i])))
-        self.close_arrivals()
+        return replay_arrivals(env, self.trace, self.accept, self.close_arrivals)
 
     def engine(self, env: simpy.Environment):
         ranks = self.ranks
