@@ -35,6 +35,10 @@ STOP_GRACE_S = 2.0
 REPORT_INTERVAL_S = 0.2
 
 
+# Where independent jobs of a sweep or a bench run: a local process pool, or Ray.
+EXECUTORS = ("local", "ray")
+
+
 @dataclass(frozen=True)
 class Job:
     """``fn(*args, progress=callable)``: a module-level function (picklable), plain-data args."""

@@ -43,9 +43,8 @@ from pagedweight.config.scenario import load_scenario
 from pagedweight.errors import ConfigError, PagedWeightError, ScenarioError, read_yaml_model
 from pagedweight.results.report_data import METRIC_KEYS, policy_metrics, read_summary
 from pagedweight.results.writer import atomic_write_csv, atomic_write_text
-from pwsim.executor import Display, Job, auto_display, run_jobs
+from pwsim.executor import EXECUTORS, Display, Job, auto_display, run_jobs
 
-EXECUTORS = ("local", "ray")
 _KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 

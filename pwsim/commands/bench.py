@@ -7,24 +7,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pwsim.commands.sweep import add_executor_arguments, check_executor_arguments
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("suite", help="suite YAML file (e.g. scenarios/bench_small.yaml)")
-    p.add_argument("--executor", choices=("local", "ray"), default="local", help="local process pool (default) or Ray")
-    p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
-    p.add_argument(
-        "--workers", "--jobs", dest="workers", type=int, metavar="N", help="runs at once (default: the CPU count)"
-    )
-    p.add_argument("--out", help="suite directory (default runs/bench/<suite name>)")
+    add_executor_arguments(p, "runs", "suite directory (default runs/bench/<suite name>)")
 
 
 def run(args: argparse.Namespace) -> int:
     from pwsim.bench import BenchError, load_suite, run_bench
 
-    if args.workers is not None and args.workers < 1:
-        raise BenchError(f"--workers(={args.workers}) must be >= 1")
-    if args.address and args.executor != "ray":
-        raise BenchError("--address is for --executor ray")
+    check_executor_arguments(args, BenchError)
     suite = load_suite(args.suite)
     out = Path(args.out or Path("runs") / "bench" / suite.spec.name)
     result = run_bench(suite, out, executor=args.executor, workers=args.workers, address=args.address)

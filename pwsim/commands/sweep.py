@@ -11,10 +11,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pwsim.executor import EXECUTORS
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("sweep", help="sweep YAML file")
-    p.add_argument("--executor", choices=("local", "ray"), default="local", help="local process pool (default) or Ray")
+
+def add_executor_arguments(p: argparse.ArgumentParser, runs: str, out_help: str) -> None:
+    """The options of a command that runs independent ``runs`` on the sweep executor (``pwsim
+    sweep``, ``pwsim bench``): where they run, how many at once, and the output directory."""
+    p.add_argument("--executor", choices=EXECUTORS, default="local", help="local process pool (default) or Ray")
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
     p.add_argument(
         "--workers",
@@ -22,18 +25,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         dest="workers",
         type=int,
         metavar="N",
-        help="cells at once, each in its own process (local default: the CPU count; Ray without --address: CPUs)",
+        help=f"{runs} at once, each in its own process (local default: the CPU count; Ray without --address: CPUs)",
     )
-    p.add_argument("--out", help="sweep directory (default runs/sweeps/<sweep name>)")
+    p.add_argument("--out", help=out_help)
+
+
+def check_executor_arguments(args: argparse.Namespace, error: type[Exception]) -> None:
+    """One-line errors (``error``) for executor options that cannot work together."""
+    if args.workers is not None and args.workers < 1:
+        raise error(f"--workers(={args.workers}) must be >= 1")
+    if args.address and args.executor != "ray":
+        raise error("--address is for --executor ray")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("sweep", help="sweep YAML file")
+    add_executor_arguments(p, "cells", "sweep directory (default runs/sweeps/<sweep name>)")
 
 
 def run(args: argparse.Namespace) -> int:
     from pwsim.sweep import SweepError, load_sweep, run_sweep
 
-    if args.workers is not None and args.workers < 1:
-        raise SweepError(f"--workers(={args.workers}) must be >= 1")
-    if args.address and args.executor != "ray":
-        raise SweepError("--address is for --executor ray")
+    check_executor_arguments(args, SweepError)
     sweep = load_sweep(args.sweep)
     out = Path(args.out or Path("runs") / "sweeps" / sweep.spec.name)
     result = run_sweep(sweep, out, executor=args.executor, workers=args.workers, address=args.address)
