@@ -391,9 +391,10 @@ def run_shared_workload(
 
 
 def test_protection_never_keeps_a_hit_waiting_for_ever():
-    """Found by the property below: a waiting request whose hit takes protected blocks (so
-    protection shifts onto others) stayed short by the blocks the hook's lifting could not free;
-    with nothing running it waited for ever."""
+    """Found by the property below: a waiting request whose hit took protected blocks shifted
+    protection onto other blocks, so it stayed short by what the hook's lifting could not free
+    and, with nothing running, waited for ever. A hit now uses up protection as it takes the
+    blocks (``KvBlockAllocator.acquire`` / ``free_after_acquire``)."""
     steps, *_ = run_shared_workload(
         seed=0, num_pages=8, blocks_per_page=3, block_tokens=4, max_batched=16, num_requests=17,
         with_hook=True, mode="recompute", protect=True,

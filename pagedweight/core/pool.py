@@ -334,12 +334,15 @@ class KvBlockAllocator:
 
     def free_after_acquire(self, idle_blocks: int) -> int:
         """``num_free_blocks`` once ``idle_blocks`` evictable blocks are taken by a request (a
-        prefix hit): they no longer count as free, and protection covers fewer blocks."""
+        prefix hit): they no longer count as free, and protection shrinks by as many (a hit on
+        the cache is what protecting it was for; ``acquire`` does the same), so taking them
+        never shifts protection onto other blocks and leaves the request short."""
         free = self.num_free_blocks - idle_blocks
-        if self.protected_blocks and idle_blocks:
+        protected = self.protected_blocks
+        if protected and idle_blocks:
             evictable = len(self._evictable)
-            before = min(self.protected_blocks, evictable)
-            free += before - min(self.protected_blocks, max(0, evictable - idle_blocks))
+            kept = protected - idle_blocks if protected > idle_blocks else 0
+            free += min(protected, evictable) - min(kept, evictable - idle_blocks)
         return free
 
     @property
@@ -514,12 +517,14 @@ class KvBlockAllocator:
         cached, refs, evictable = self._block_of_key, self._refs, self._evictable
         bpp, owner_of, in_page = self.blocks_per_page, self.pool._owner_of, self._evictable_in_page
         to_kv: list[int] = []
+        idle = 0
         for key in keys[:limit]:
             block = cached.get(key)
             if block is None:
                 break
             if block in evictable:
                 del evictable[block]
+                idle += 1
                 page = block // bpp
                 if bpp > 1:  # one block per page: the page of an evictable block is a cached page
                     in_page[page] -= 1
@@ -531,6 +536,8 @@ class KvBlockAllocator:
                 refs[block] = refs.get(block, 1) + 1
             out.append(block)
         self._move_pages(to_kv, OWNER_KV_CACHED, OWNER_KV)
+        if idle and self.protected_blocks:  # see free_after_acquire
+            self.protected_blocks = self.protected_blocks - idle if self.protected_blocks > idle else 0
         return out
 
     def _move_pages(self, pages: list[int], from_owner: int, to_owner: int) -> None:

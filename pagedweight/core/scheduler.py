@@ -486,13 +486,6 @@ class Scheduler:
             n, idle = kv.lookup(req.block_hashes, limit)  # the hook may have reclaimed cached pages
             need = -(-(n * bt + min(req.num_tokens - n * bt, budget)) // bt) - n
             free = kv.free_after_acquire(idle)
-        if need > free and kv.protected_blocks:
-            # The hook lifts protection by the shortfall, which the hit's own protected blocks
-            # can absorb (taking them shifts protection onto others): lift it all rather than
-            # keep waiting a request the unprotected cache would admit (with nothing running,
-            # for ever).
-            kv.unprotect(kv.protected_blocks)
-            free = kv.free_after_acquire(idle)
         if need > free:
             return -1
         blocks = kv.acquire(req.block_hashes, n) if n else []
