@@ -9,7 +9,8 @@ simulator's speed: an hour of a busy trace is ~150,000 steps.
 
 import pytest
 
-from pagedweight.core.pool import KvBlockAllocator, PagePool
+from pagedweight.core.kv_blocks import KvBlockAllocator
+from pagedweight.core.pool import PagePool
 from pagedweight.core.scheduler import Request, Scheduler, SchedulerConfig
 
 MiB = 2**20

@@ -55,6 +55,7 @@ seed: 0
 COMPONENTS = (  # (path fragment, component), first match wins
     ("pagedweight/core/scheduler.py", "scheduler"),
     ("pagedweight/core/pool.py", "page pool"),
+    ("pagedweight/core/kv_blocks.py", "page pool"),
     ("pagedweight/core/pagetable.py", "page pool"),
     ("pagedweight/core/step.py", "step shape"),
     ("pagedweight/core/runtime.py", "runtime core"),

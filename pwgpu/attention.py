@@ -1,6 +1,6 @@
 """The KV cache in the unified arena, and attention that reads it through block tables.
 
-KV block ``b`` (``pagedweight.core.pool.KvBlockAllocator``: ``b = page * blocks_per_page + slot``)
+KV block ``b`` (``pagedweight.core.kv_blocks.KvBlockAllocator``: ``b = page * blocks_per_page + slot``)
 lives at byte ``page * page_bytes + slot * block_bytes`` of the arena and holds, for its
 ``block_tokens`` tokens, every layer's K and V: ``[L, 2, T_blk, Hkv, D]`` in the KV dtype. One
 block per token range for all layers keeps a block's size equal to the scheduler's

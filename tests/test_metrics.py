@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from pagedweight.core.pool import OWNER_KV, KvBlockAllocator, PagePool, weight_owner
+from pagedweight.core.kv_blocks import KvBlockAllocator
+from pagedweight.core.pool import OWNER_KV, PagePool, weight_owner
 from pagedweight.core.scheduler import FINISHED, REJECTED, Request
 from pagedweight.results.metrics import REQUEST_COLUMNS, Slo, StepRecorder, request_rows, summarize
 

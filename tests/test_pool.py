@@ -5,12 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedweight.core.kv_blocks import KvBlockAllocator
 from pagedweight.core.pool import (
     OWNER_FREE,
     OWNER_KV,
     OWNER_PINNED,
     OWNER_TRANSITION,
-    KvBlockAllocator,
     PagePool,
     owner_name,
     weight_owner,

@@ -8,14 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedweight.core.pool import (
-    OWNER_KV,
-    OWNER_KV_CACHED,
-    OWNER_PINNED,
-    KvBlockAllocator,
-    PagePool,
-    weight_owner,
-)
+from pagedweight.core.kv_blocks import KvBlockAllocator
+from pagedweight.core.pool import OWNER_KV, OWNER_KV_CACHED, OWNER_PINNED, PagePool, weight_owner
 from pagedweight.core.prefix import TraceBlockKeys, own_block_keys, token_block_keys
 from pagedweight.core.scheduler import FINISHED, REJECTED, Request, Scheduler, SchedulerConfig
 from pagedweight.errors import PoolError, PoolExhausted

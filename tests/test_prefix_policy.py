@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedweight.core.pool import OWNER_KV_CACHED, KvBlockAllocator, PagePool, weight_owner
+from pagedweight.core.kv_blocks import KvBlockAllocator
+from pagedweight.core.pool import OWNER_KV_CACHED, PagePool, weight_owner
 from pagedweight.core.reuse import GhostList
 from pagedweight.core.runtime import CoreConfig, RuntimeCore
 from pagedweight.core.scheduler import SchedulerConfig

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedweight.core.pool import OWNER_PINNED, KvBlockAllocator, PagePool
+from pagedweight.core.kv_blocks import KvBlockAllocator
+from pagedweight.core.pool import OWNER_PINNED, PagePool
 from pagedweight.core.scheduler import FINISHED, REJECTED, RUNNING, WAITING, Request, Scheduler, SchedulerConfig
 
 PAGE = 1024

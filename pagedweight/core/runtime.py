@@ -32,8 +32,9 @@ from typing import Protocol
 
 import numpy as np
 
+from pagedweight.core.kv_blocks import KvBlockAllocator
 from pagedweight.core.pagetable import ExpertPageTable, Transition, expert_pages_by_id
-from pagedweight.core.pool import OWNER_PINNED, KvBlockAllocator, PagePool
+from pagedweight.core.pool import OWNER_PINNED, PagePool
 from pagedweight.core.scheduler import Batch, Request, Scheduler, SchedulerConfig
 from pagedweight.core.spec import PRECISION_ID, PRECISION_NAMES, ModelSpec
 from pagedweight.core.step import StepShape

@@ -35,7 +35,7 @@ from itertools import islice
 
 import numpy as np
 
-from pagedweight.core.pool import KvBlockAllocator
+from pagedweight.core.kv_blocks import KvBlockAllocator
 from pagedweight.core.step import StepShape
 from pagedweight.errors import ConfigError, PoolError
 

@@ -38,8 +38,9 @@ from enum import Enum
 
 import numpy as np
 
+from pagedweight.core.kv_blocks import KvBlockAllocator
 from pagedweight.core.pagetable import ExpertPageTable
-from pagedweight.core.pool import OWNER_KV, OWNER_PINNED, KvBlockAllocator
+from pagedweight.core.pool import OWNER_KV, OWNER_PINNED
 from pagedweight.core.spec import PRECISION_ID, PRECISION_NAMES
 from pagedweight.errors import ConfigError
 from pagedweight.policy.allocate import Plan, Problem, paper_greedy

@@ -249,7 +249,8 @@ def test_engine_gives_pagedweight_a_step_time_model(tiny):
     """Under a TPOT SLO the engine's pagedweight prices precision in step time as the
     simulator's does: from each step's routed experts and the device's memory bandwidth. An SLO
     far below any step makes it downgrade the experts in use with no KV pressure at all."""
-    settings = ControllerSettings(tpot_slo_s=1e-6, min_dwell_s=0.0)
+    # A plan every step: on a fast machine the whole run can take less than one plan interval.
+    settings = ControllerSettings(tpot_slo_s=1e-6, min_dwell_s=0.0, plan_interval_s=0.0)
     core = CoreConfig(budget_bytes=64 << 20, page_bytes=PAGE_BYTES, controller=settings)
     eng = Engine(tiny, EngineConfig(core, policy="pagedweight", memory_bandwidth_bytes_per_s=1e6))
     model = eng.core.controller.step_time_s

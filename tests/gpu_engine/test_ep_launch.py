@@ -247,7 +247,8 @@ def test_rank_zeros_view_holds_the_tightest_ranks_free_blocks():
     """``KvView``: rank 0's scheduler sees rank 0's free blocks less the deficit of the tightest
     rank, and counts what the step's batch takes, which the other ranks take later; ``_room``
     asks a rank's own pressure hook for exactly what it lacks."""
-    from pagedweight.core.pool import KvBlockAllocator, PagePool
+    from pagedweight.core.kv_blocks import KvBlockAllocator
+    from pagedweight.core.pool import PagePool
     from pagedweight.errors import PagedWeightError
     from pwgpu.ep_agree import KvView, _room
 

@@ -1,0 +1,558 @@
+"""KV blocks carved from the page pool's pages, and the prefix cache kept in them.
+
+``KvBlockAllocator`` hands out fixed-size KV blocks, several to a pool page, and keeps the
+prefix cache: blocks registered under the content key of the prompt they hold, shared by the
+requests that hit them, evictable in least-recently-used order when nobody holds them, and
+optionally protected from eviction by the ``pagedweight`` controller (see the class docstring).
+The pool (``pagedweight.core.pool``) owns the pages; this module owns what is inside KV pages.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from itertools import islice
+
+import numpy as np
+
+from pagedweight.core.pool import OWNER_KV, OWNER_KV_CACHED, PagePool
+from pagedweight.core.reuse import MIN_GHOST_BLOCKS, GhostList
+from pagedweight.errors import PoolError, PoolExhausted
+
+
+class KvBlockAllocator:
+    """KV blocks of ``block_tokens`` tokens carved from pool pages, several per page.
+
+    Block id = page * blocks_per_page + slot, so a runtime finds a block's bytes at
+    ``page * page_bytes + slot * block_bytes`` in the arena. A page goes back to the pool as
+    soon as its last block is freed, so KV never sits on pages a downgrade could reuse.
+    New blocks come from partly used pages first, which keeps fragmentation low.
+
+    Prefix caching (``cache_block``, ``acquire``, ``release``): a block whose KV a request has
+    computed for a full block of its prompt may be registered under the key of its content (a
+    hash chain: the key of block j stands for every token of blocks 0..j). A cached block counts
+    the requests holding it; when none does it stays filled, *evictable*, in least-recently-used
+    order, and a request with the same prefix takes it back instead of computing it. Evictable
+    blocks are evicted (their key forgotten) only when an allocation needs them: KV allocations
+    take free slots and free pages first, then reuse the least recently used evictable blocks in
+    place; a weight allocation that finds too few free pages reclaims whole ``OWNER_KV_CACHED``
+    pages (the pool's ``reclaim`` hook). A page is owned by ``OWNER_KV`` while any of its blocks
+    is held by a request, by ``OWNER_KV_CACHED`` while all its used blocks are evictable.
+
+    Protection (``protected_blocks``, set by the ``pagedweight`` controller when the cache is
+    worth more than the downgrades that would spare it): that many evictable blocks are not
+    counted as free, so that a KV shortage reaches the scheduler's pressure hook (and the
+    controller) before the cache is evicted; the controller lifts it (``unprotect``) where a
+    downgrade would cost more. Evictions still take the least recently used blocks first.
+    """
+
+    def __init__(self, pool: PagePool, block_tokens: int, kv_bytes_per_token: int):
+        if block_tokens < 1:
+            raise PoolError(f"kv_block_tokens(={block_tokens}) must be >= 1")
+        self.pool = pool
+        self.block_tokens = block_tokens
+        self.block_bytes = block_tokens * kv_bytes_per_token
+        if self.block_bytes > pool.page_bytes:
+            raise PoolError(
+                f"a KV block of {block_tokens} tokens x {kv_bytes_per_token} B = {self.block_bytes} B "
+                f"does not fit in a {pool.page_bytes} B page; use fewer tokens per block or larger pages"
+            )
+        self.blocks_per_page = pool.page_bytes // self.block_bytes
+        self._used_in_page = np.zeros(pool.num_pages, dtype=np.int32)  # blocks held or evictable
+        self._free_slots: dict[int, list[int]] = {}  # partly used KV page -> free block ids
+        self._num_free_in_pages = 0
+        self.num_used_blocks = 0  # blocks held by requests (evictable cached blocks are not)
+        # Free pool pages KV may not take: headroom a downgrade needs for its new (smaller)
+        # pages before it frees the old ones. Set by the controller; 0 for static policies.
+        self.reserve_pages = 0
+        # Prefix cache: content key <-> block, requests holding each cached block, and the
+        # cached blocks nobody holds, least recently used first.
+        self._block_of_key: dict[int, int] = {}
+        self._key_of_block: dict[int, int] = {}
+        self._refs: dict[int, int] = {}  # cached blocks held by two or more: how many (one: absent)
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Evictable blocks per page, kept only with several blocks a page (with one, a page is
+        # evictable exactly when its block is).
+        self._evictable_in_page = np.zeros(pool.num_pages, dtype=np.int32)
+        self.num_evicted_blocks = 0  # cached blocks whose key was forgotten to make room
+        # Evictable blocks not counted as free (the pagedweight controller's; 0: vLLM's rule).
+        self.protected_blocks = 0
+        # Keys of the blocks evicted last and how often requests come back for them
+        # (``track_reuse``; None: not tracked, nothing is spent on it).
+        self.ghosts: GhostList | None = None
+        pool.reclaim = self._reclaim_pages
+
+    def track_reuse(self, capacity_blocks: int | None = None) -> GhostList:
+        """Keep a ghost list of evicted keys (``pagedweight.core.reuse``): by default 1/16 of the
+        pool's blocks, at least ``MIN_GHOST_BLOCKS``."""
+        if capacity_blocks is None:
+            capacity_blocks = max(MIN_GHOST_BLOCKS, self.pool.num_pages * self.blocks_per_page // 16)
+        self.ghosts = GhostList(capacity_blocks)
+        return self.ghosts
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_tokens)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks available now: free slots and evictable blocks of pages a request holds a block
+        of, and the blocks of free pages and of cached pages (``OWNER_KV_CACHED``) beyond the
+        downgrade reserve; less the protected evictable blocks. The reserve holds back free and
+        cached pages alike, whatever the blocks per page: a downgrade's new pages reclaim a
+        cached page as readily as they take a free one. Protected blocks and the reserve are
+        both subtracted (protection is lifted under pressure before anything is preempted)."""
+        pool, evictable = self.pool, len(self._evictable)
+        cached_pages = pool._count[OWNER_KV_CACHED]
+        spare_pages = pool._num_free + cached_pages - self.reserve_pages
+        bpp = self.blocks_per_page
+        # Free slots and evictable blocks outside cached pages (a cached page's blocks are all
+        # evictable or free: bpp of them).
+        n = self._num_free_in_pages + evictable - cached_pages * bpp if bpp > 1 else 0
+        if spare_pages > 0:
+            n += spare_pages * bpp
+        if self.protected_blocks:
+            n -= self.protected_blocks if self.protected_blocks < evictable else evictable
+            return n if n > 0 else 0
+        return n
+
+    def free_after_acquire(self, idle_blocks: int) -> int:
+        """``num_free_blocks`` once ``idle_blocks`` evictable blocks are taken by a request (a
+        prefix hit): they no longer count as free, and protection shrinks by as many (a hit on
+        the cache is what protecting it was for; ``acquire`` does the same), so taking them
+        never shifts protection onto other blocks and leaves the request short."""
+        free = self.num_free_blocks - idle_blocks
+        protected = self.protected_blocks
+        if protected and idle_blocks:
+            evictable = len(self._evictable)
+            kept = protected - idle_blocks if protected > idle_blocks else 0
+            free += min(protected, evictable) - min(kept, evictable - idle_blocks)
+        return free
+
+    @property
+    def num_protected_blocks(self) -> int:
+        """Evictable blocks protection holds back now."""
+        return min(self.protected_blocks, len(self._evictable))
+
+    @property
+    def num_protected_pages(self) -> int:
+        """Pages of the protected blocks, at most the cached pages: what an upgrade must leave."""
+        pages = -(-self.num_protected_blocks // self.blocks_per_page)
+        cached = self.pool._count[OWNER_KV_CACHED]
+        return pages if pages < cached else cached
+
+    def unprotect(self, num_blocks: int) -> None:
+        """Count ``num_blocks`` more protected blocks as free (evictable) again."""
+        held = self.num_protected_blocks
+        self.protected_blocks = held - num_blocks if num_blocks < held else 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Evictable cached blocks: prefix KV kept although no request holds it."""
+        return len(self._evictable)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        if num_blocks > self.num_free_blocks:
+            raise PoolExhausted(f"asked for {num_blocks} KV blocks; {self.num_free_blocks} free")
+        if self.blocks_per_page > 1 and self.pool.num_free < self.reserve_pages:
+            return self._allocate_within_reserve(num_blocks)
+        reused: list[int] = []
+        if self._evictable:
+            spare_pages = self.pool.num_free - self.reserve_pages
+            direct = self._num_free_in_pages + (spare_pages * self.blocks_per_page if spare_pages > 0 else 0)
+            if num_blocks > direct:
+                reused = self._evict_for_reuse(num_blocks - direct)
+                num_blocks -= len(reused)
+                if not num_blocks:
+                    return reused
+        if self.blocks_per_page == 1:  # one block per page (e.g. Mixtral: 16 x 128 KiB = 2 MiB)
+            pages = self.pool.alloc_list(OWNER_KV, num_blocks)
+            used = self._used_in_page
+            for page in pages:
+                used[page] = 1
+            self.num_used_blocks += num_blocks
+            return reused + pages if reused else pages
+        out: list[int] = reused
+        want = len(reused) + num_blocks
+        owner_of = self.pool._owner_of
+        while len(out) < want and self._free_slots:
+            page, slots = next(iter(self._free_slots.items()))
+            take = min(want - len(out), len(slots))
+            out.extend(slots[len(slots) - take :])
+            del slots[len(slots) - take :]
+            if owner_of[page] == OWNER_KV_CACHED:  # a request holds a block of it again
+                self.pool.transfer([page], OWNER_KV_CACHED, OWNER_KV)
+            self._used_in_page[page] += take
+            self._num_free_in_pages -= take
+            if not slots:
+                del self._free_slots[page]
+        missing = want - len(out)
+        if missing:
+            bpp = self.blocks_per_page
+            pages = self.pool.alloc(OWNER_KV, -(-missing // bpp))
+            for page in pages.tolist():
+                take = min(missing, bpp)
+                base = page * bpp
+                out.extend(range(base, base + take))
+                self._used_in_page[page] = take
+                if take < bpp:
+                    self._free_slots[page] = list(range(base + bpp - 1, base + take - 1, -1))
+                    self._num_free_in_pages += bpp - take
+                missing -= take
+        self.num_used_blocks += num_blocks
+        return out
+
+    def free(self, block_ids: list[int]) -> None:
+        """Give back a request's blocks: cached ones lose a holder (and become evictable when
+        none is left), the others are freed."""
+        keyed = self._key_of_block
+        if keyed:
+            cached = [b for b in block_ids if b in keyed]
+            if cached:
+                private = [b for b in block_ids if b not in keyed] if len(cached) < len(block_ids) else []
+                self.release(cached)
+                block_ids = private
+        self._free_unkeyed(block_ids)
+
+    def retire(self, block_ids: list[int], num_dead: int) -> None:
+        """Give back a request's blocks whose content nobody can ask for (keys of its own, never
+        registered): the first ``num_dead`` (its computed prompt blocks) become evictable with
+        no key, exactly where ``release`` would have put them had they been registered, so the
+        cache's memory and eviction order are unchanged; the rest are freed."""
+        if num_dead > 0:
+            self._make_idle(block_ids[num_dead - 1 :: -1])
+            block_ids = block_ids[num_dead:]
+        self._free_unkeyed(block_ids)
+
+    def _free_unkeyed(self, block_ids: list[int]) -> None:
+        bpp = self.blocks_per_page
+        if bpp == 1:
+            pages = np.asarray(block_ids, dtype=np.int64)
+            if len(pages) and (self._used_in_page[pages] != 1).any():
+                raise PoolError("a KV block is not allocated (double free?)")
+            self.pool.free(pages, OWNER_KV)  # checks ownership and duplicates
+            self._used_in_page[pages] = 0
+            self.num_used_blocks -= len(pages)
+            return
+        released: list[int] = []
+        evictable_in_page = self._evictable_in_page
+        for block in block_ids:
+            page = block // bpp
+            if self.pool._owner_of[page] != OWNER_KV or self._used_in_page[page] <= 0:
+                raise PoolError(f"KV block {block} is not allocated (double free?)")
+            self._used_in_page[page] -= 1
+            if self._used_in_page[page] == 0:
+                if page in self._free_slots:
+                    self._num_free_in_pages -= len(self._free_slots.pop(page))
+                released.append(page)
+            else:
+                slots = self._free_slots.setdefault(page, [])
+                slots.append(block)
+                self._num_free_in_pages += 1
+                if evictable_in_page[page] and evictable_in_page[page] == self._used_in_page[page]:
+                    self.pool.transfer([page], OWNER_KV, OWNER_KV_CACHED)  # only cached blocks left
+        self.num_used_blocks -= len(block_ids)
+        if released:
+            self.pool.free(released, OWNER_KV)
+
+    # ---- prefix caching -----------------------------------------------------------------------
+    def cache_block(self, block: int, key: int) -> bool:
+        """Register a block a request holds, whose KV is computed, under its content ``key``.
+        False (and nothing changes) if the key is cached already (another request computed the
+        same prefix meanwhile: this block stays private) or the block is cached under a key."""
+        if key in self._block_of_key or block in self._key_of_block:
+            return False
+        self._block_of_key[key] = block
+        self._key_of_block[block] = key
+        return True
+
+    def cache_blocks(self, blocks: Sequence[int], keys: Sequence[int]) -> None:
+        """``cache_block`` for each pair, in one call (a request's newly computed blocks)."""
+        by_key, by_block = self._block_of_key, self._key_of_block
+        if len(blocks) != len(keys):
+            raise PoolError(f"{len(blocks)} blocks for {len(keys)} keys")
+        # Usually none is cached yet: two bulk updates (a long prompt has ~1,000 blocks).
+        if by_key.keys().isdisjoint(keys) and by_block.keys().isdisjoint(blocks) and len(set(keys)) == len(keys):
+            by_key.update(zip(keys, blocks, strict=True))
+            by_block.update(zip(blocks, keys, strict=True))
+            return
+        for block, key in zip(blocks, keys, strict=True):
+            if key not in by_key and block not in by_block:
+                by_key[key] = block
+                by_block[block] = key
+
+    def lookup(self, keys: Sequence[int], limit: int) -> tuple[int, int]:
+        """How many of the leading ``keys`` (at most ``limit``) are cached, and how many of those
+        are evictable (taking them leaves that many fewer free blocks), without taking them."""
+        n = idle = 0
+        cached, evictable = self._block_of_key, self._evictable
+        while n < limit:
+            block = cached.get(keys[n])
+            if block is None:
+                break
+            idle += block in evictable
+            n += 1
+        return n, idle
+
+    def acquire(self, keys: Sequence[int], limit: int) -> list[int]:
+        """The cached blocks of the longest cached run of leading ``keys`` (at most ``limit``),
+        each now held once more (an evictable one is held again, not evicted)."""
+        out: list[int] = []
+        cached, refs, evictable = self._block_of_key, self._refs, self._evictable
+        bpp, owner_of, in_page = self.blocks_per_page, self.pool._owner_of, self._evictable_in_page
+        to_kv: list[int] = []
+        idle = 0
+        for key in keys[:limit]:
+            block = cached.get(key)
+            if block is None:
+                break
+            if block in evictable:
+                del evictable[block]
+                idle += 1
+                page = block // bpp
+                if bpp > 1:  # one block per page: the page of an evictable block is a cached page
+                    in_page[page] -= 1
+                if owner_of[page] == OWNER_KV_CACHED:
+                    owner_of[page] = OWNER_KV  # marked now, so a page is listed once; moved below
+                    to_kv.append(page)
+                self.num_used_blocks += 1
+            else:
+                refs[block] = refs.get(block, 1) + 1
+            out.append(block)
+        self._move_pages(to_kv, OWNER_KV_CACHED, OWNER_KV)
+        if idle and self.protected_blocks:  # see free_after_acquire
+            self.protected_blocks = self.protected_blocks - idle if self.protected_blocks > idle else 0
+        return out
+
+    def _move_pages(self, pages: list[int], from_owner: int, to_owner: int) -> None:
+        """Hand ``pages``, already marked ``to_owner`` in the owner array, over in the pool's
+        counts: one pool call for many pages (a call per page cost ~5 us each)."""
+        if pages:
+            owner_of = self.pool._owner_of
+            for page in pages:
+                owner_of[page] = from_owner
+            self.pool.transfer_list(pages, from_owner, to_owner)
+
+    def release(self, blocks: list[int]) -> None:
+        """Cached blocks lose one holder each; a block nobody holds becomes evictable, as the
+        most recently used, a request's last block ahead of its first: so its last block, the
+        prefix least likely to be shared, is evicted first (as vLLM does)."""
+        refs, evictable = self._refs, self._evictable
+        if not evictable.keys().isdisjoint(blocks):  # callers pass cached blocks (``free`` sorts them out)
+            block = next(b for b in blocks if b in evictable)
+            raise PoolError(f"KV block {block} is not a cached block held by a request")
+        if not refs or refs.keys().isdisjoint(blocks):  # held by this request alone: all idle now
+            idle = blocks[::-1] if isinstance(blocks, list) else list(reversed(blocks))
+        else:
+            idle = []
+            for block in reversed(blocks):
+                n = refs.get(block)
+                if n is None:
+                    idle.append(block)
+                elif n > 2:
+                    refs[block] = n - 1
+                else:
+                    del refs[block]
+        if idle:
+            self._make_idle(idle)
+
+    def _make_idle(self, idle: list[int]) -> None:
+        """Held blocks nobody holds any more become evictable, in this order (first: evicted
+        first among them), and a page whose used blocks are all evictable a cached page."""
+        self._evictable.update(dict.fromkeys(idle))
+        self.num_used_blocks -= len(idle)
+        bpp, owner_of = self.blocks_per_page, self.pool._owner_of
+        if bpp == 1:  # page = block: each such page now holds only a cached block
+            self.pool.transfer_list(idle, OWNER_KV, OWNER_KV_CACHED)
+            return
+        in_page, used_in_page = self._evictable_in_page, self._used_in_page
+        to_cached: list[int] = []
+        for block in idle:
+            page = block // bpp
+            in_page[page] += 1
+            if in_page[page] == used_in_page[page]:
+                owner_of[page] = OWNER_KV_CACHED
+                to_cached.append(page)
+        self._move_pages(to_cached, OWNER_KV, OWNER_KV_CACHED)
+
+    def key_of(self, block: int) -> int | None:
+        """The content key a block is cached under, or None."""
+        return self._key_of_block.get(block)
+
+    def holders(self, block: int) -> int:
+        """Requests holding a cached block (0 when evictable)."""
+        if block not in self._key_of_block or block in self._evictable:
+            return 0
+        return self._refs.get(block, 1)
+
+    def _allocate_within_reserve(self, num_blocks: int) -> list[int]:
+        """``allocate`` with several blocks a page and fewer free pages than the reserve: take
+        free slots and evictable blocks of pages a request holds first, and turn a cached page
+        into a KV page only while free + cached pages stay above the reserve (a downgrade's new
+        pages may need to reclaim it). Least recently used first among the blocks it may take;
+        ``num_free_blocks`` counts exactly these, so the request is always met."""
+        pool, bpp, owner_of = self.pool, self.blocks_per_page, self.pool._owner_of
+        spare = pool.num_free + pool._count[OWNER_KV_CACHED] - self.reserve_pages
+        out: list[int] = []
+        for page in [p for p in self._free_slots if owner_of[p] == OWNER_KV] + [
+            p for p in self._free_slots if owner_of[p] == OWNER_KV_CACHED
+        ]:
+            if len(out) == num_blocks:
+                break
+            if owner_of[page] == OWNER_KV_CACHED:
+                if spare <= 0:
+                    continue
+                spare -= 1
+                pool.transfer([page], OWNER_KV_CACHED, OWNER_KV)
+            slots = self._free_slots[page]
+            take = min(num_blocks - len(out), len(slots))
+            out.extend(slots[len(slots) - take :])
+            del slots[len(slots) - take :]
+            self._used_in_page[page] += take
+            self._num_free_in_pages -= take
+            if not slots:
+                del self._free_slots[page]
+        self.num_used_blocks += len(out)
+        if len(out) < num_blocks:
+            victims: list[int] = []
+            opened: set[int] = set()
+            for block in self._evictable:  # least recently used first
+                if len(out) + len(victims) == num_blocks:
+                    break
+                page = block // bpp
+                if owner_of[page] == OWNER_KV_CACHED and page not in opened:
+                    if spare <= 0:
+                        continue
+                    spare -= 1
+                    opened.add(page)
+                victims.append(block)
+            if len(out) + len(victims) < num_blocks:
+                raise PoolError(f"KV allocation of {num_blocks} blocks found only {len(out) + len(victims)}")
+            for block in victims:
+                del self._evictable[block]
+            out.extend(self._reuse(victims))
+        return out
+
+    def _forget(self, block: int) -> int:
+        """Evict one evictable block: its key is forgotten; returns its page."""
+        del self._evictable[block]
+        key = self._key_of_block.pop(block, None)
+        if key is not None:  # a retired block has none
+            del self._block_of_key[key]
+        if self.ghosts is not None:
+            # A retired block takes a slot in the ghost list that no lookup can hit, as its key
+            # would have: the list's contents are those of registering every block.
+            self.ghosts.add(key if key is not None else object())
+        page = block // self.blocks_per_page
+        if self.blocks_per_page > 1:
+            self._evictable_in_page[page] -= 1
+        self.num_evicted_blocks += 1
+        return page
+
+    def _evict_for_reuse(self, num_blocks: int) -> list[int]:
+        """The ``num_blocks`` least recently used evictable blocks, evicted and handed out in
+        place as blocks a request holds (their pages stay KV pages). Usually one block for a
+        decode crossing into a new block once the cache fills the memory: plain Python."""
+        evictable = self._evictable
+        return self._reuse([evictable.popitem(last=False)[0] for _ in range(num_blocks)])
+
+    def _reuse(self, out: list[int]) -> list[int]:
+        """Evict ``out``, blocks just taken out of the evictable set, and hand them out in place."""
+        by_key, by_block = self._block_of_key, self._key_of_block
+        num_blocks = len(out)
+        bpp, in_page, owner_of = self.blocks_per_page, self._evictable_in_page, self.pool._owner_of
+        self.num_evicted_blocks += num_blocks
+        self.num_used_blocks += num_blocks
+        ghosts = self.ghosts
+        if ghosts is None:
+            for block in out:
+                key = by_block.pop(block, None)
+                if key is not None:  # a retired block has none
+                    del by_key[key]
+        else:  # their keys become ghosts (core/reuse.py): one dict store each
+            evicted = ghosts.newer
+            for block in out:
+                key = by_block.pop(block, None)
+                if key is None:
+                    key = object()  # a retired block: a slot no lookup can hit (see _forget)
+                else:
+                    del by_key[key]
+                evicted[key] = None
+            if len(evicted) >= ghosts.capacity:
+                ghosts.age()
+        if bpp == 1:  # page = block, and a page whose one block is evictable is a cached page
+            self.pool.transfer_list(out, OWNER_KV_CACHED, OWNER_KV)
+            return out
+        to_kv: list[int] = []
+        for block in out:
+            page = block // bpp
+            in_page[page] -= 1
+            if owner_of[page] == OWNER_KV_CACHED:
+                owner_of[page] = OWNER_KV  # marked now, so a page is listed once; moved below
+                to_kv.append(page)
+        self._move_pages(to_kv, OWNER_KV_CACHED, OWNER_KV)
+        return out
+
+    def _reclaim_pages(self, num_pages: int) -> None:
+        """Free up to ``num_pages`` whole ``OWNER_KV_CACHED`` pages for another claimant, the
+        pages of the least recently used evictable blocks first."""
+        bpp, owner_of, evictable = self.blocks_per_page, self.pool._owner_of, self._evictable
+        # The pages first, walking the LRU order only as far as needed (a copy of the whole
+        # evictable set per call cost a sixth of a long-context run), then their blocks.
+        if bpp == 1:  # page = block, and the page of an evictable block is a cached page
+            freed = list(islice(evictable, num_pages))
+        else:
+            freed, seen = [], set()
+            for block in evictable:
+                if len(freed) >= num_pages:
+                    break
+                page = block // bpp
+                if page not in seen and owner_of[page] == OWNER_KV_CACHED:
+                    seen.add(page)
+                    freed.append(page)
+        for page in freed:
+            for b in range(page * bpp, page * bpp + bpp):
+                if b in evictable:
+                    self._forget(b)
+            self._used_in_page[page] = 0
+            if page in self._free_slots:
+                self._num_free_in_pages -= len(self._free_slots.pop(page))
+        if freed:
+            self.pool.free(freed, OWNER_KV_CACHED)
+
+    def check(self) -> None:
+        """Invariants: used + free slots = blocks of the KV pages; every KV page has a use; a
+        page is ``OWNER_KV_CACHED`` exactly when its used blocks are all evictable; every cached
+        block is held by a request or evictable, never both, under one key."""
+        pool, bpp = self.pool, self.blocks_per_page
+        kv_pages = pool.num_owned(OWNER_KV) + pool.num_owned(OWNER_KV_CACHED)
+        used = self.num_used_blocks + len(self._evictable)
+        if used + self._num_free_in_pages != kv_pages * bpp:
+            raise PoolError(
+                f"KV blocks: {self.num_used_blocks} used + {len(self._evictable)} cached + "
+                f"{self._num_free_in_pages} free != {kv_pages} pages x {bpp}"
+            )
+        if int(self._used_in_page.sum()) != used:
+            raise PoolError("per-page block counts disagree with the used-block total")
+        if sum(len(s) for s in self._free_slots.values()) != self._num_free_in_pages:
+            raise PoolError("free-slot lists disagree with their count")
+        evictable_in_page = self._evictable_in_page
+        if bpp == 1:
+            evictable_in_page = np.zeros(pool.num_pages, dtype=np.int32)
+            evictable_in_page[list(self._evictable)] = 1
+        elif int(evictable_in_page.sum()) != len(self._evictable):
+            raise PoolError("per-page evictable counts disagree with the evictable set")
+        owners = pool._owner_of
+        in_use = self._used_in_page > 0
+        all_cached = in_use & (evictable_in_page == self._used_in_page)
+        if (owners[all_cached] != OWNER_KV_CACHED).any() or (owners[in_use & ~all_cached] != OWNER_KV).any():
+            raise PoolError("a KV page's owner disagrees with its blocks (held: kv; only evictable: kv_cached)")
+        if ((owners == OWNER_KV) | (owners == OWNER_KV_CACHED))[~in_use].any():
+            raise PoolError("a KV page without a block in use")
+        if len(self._block_of_key) != len(self._key_of_block) or any(
+            self._block_of_key.get(k) != b for b, k in self._key_of_block.items()
+        ):
+            raise PoolError("prefix cache: key and block maps disagree")
+        if set(self._refs) & set(self._evictable) or not set(self._refs) <= set(self._key_of_block):
+            raise PoolError("prefix cache: a shared block is evictable or has no key")
+        if any(n < 2 for n in self._refs.values()):
+            raise PoolError("prefix cache: a shared block's count below two")
