@@ -381,7 +381,7 @@ def run_shared_workload(
     # A request with keys of its own that was never preempted never registered one.
     unregistered = {k for r in reqs if r.prefix_private and not r.num_preemptions for k in r.block_hashes}
     assert not unregistered & set(kv._block_of_key)
-    return steps, s.prefix_hit_tokens, kv.num_evicted_blocks, list(kv._evictable), s.num_preemptions
+    return steps, s.prefix_hit_tokens, kv.num_evicted_blocks, kv.evictable_blocks(), s.num_preemptions
 
 
 def test_protection_never_keeps_a_hit_waiting_for_ever():
@@ -449,7 +449,7 @@ def test_private_keys_change_nothing_but_the_work_of_keeping_keys():
     assert s.prefix_hit_tokens == s_ref.prefix_hit_tokens
     assert kv.num_evicted_blocks == kv_ref.num_evicted_blocks
     assert kv.num_cached_blocks == kv_ref.num_cached_blocks > 0
-    assert list(kv._evictable) == list(kv_ref._evictable)  # the same blocks, in the same LRU order
+    assert kv.evictable_blocks() == kv_ref.evictable_blocks()  # the same blocks, in the same LRU order
 
 
 # ---- the multi-turn generator ----------------------------------------------------------------

@@ -11,13 +11,25 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import islice
 
 import numpy as np
 
 from pagedweight.core.pool import OWNER_KV, OWNER_KV_CACHED, PagePool
 from pagedweight.core.reuse import MIN_GHOST_BLOCKS, GhostList
 from pagedweight.errors import PoolError, PoolExhausted
+
+
+class _RetiredRun:
+    """Blocks retired together by one request, evictable with no key (``retire``), in eviction
+    order from ``start``: one entry of the LRU set for the whole run, so retiring a 10,000-token
+    prompt and reusing its blocks costs a slice, not a dict operation per block. Used with one
+    block per page, where a block's page needs no bookkeeping of its own."""
+
+    __slots__ = ("blocks", "start")
+
+    def __init__(self, blocks: list[int]):
+        self.blocks = blocks
+        self.start = 0
 
 
 class KvBlockAllocator:
@@ -70,7 +82,10 @@ class KvBlockAllocator:
         self._block_of_key: dict[int, int] = {}
         self._key_of_block: dict[int, int] = {}
         self._refs: dict[int, int] = {}  # cached blocks held by two or more: how many (one: absent)
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Entries: a block (cached under a key, or retired with no key where pages hold several
+        # blocks) or a ``_RetiredRun`` of blocks; ``_num_evictable`` counts the blocks.
+        self._evictable: OrderedDict[int | _RetiredRun, None] = OrderedDict()
+        self._num_evictable = 0
         # Evictable blocks per page, kept only with several blocks a page (with one, a page is
         # evictable exactly when its block is).
         self._evictable_in_page = np.zeros(pool.num_pages, dtype=np.int32)
@@ -101,7 +116,7 @@ class KvBlockAllocator:
         cached pages alike, whatever the blocks per page: a downgrade's new pages reclaim a
         cached page as readily as they take a free one. Protected blocks and the reserve are
         both subtracted (protection is lifted under pressure before anything is preempted)."""
-        pool, evictable = self.pool, len(self._evictable)
+        pool, evictable = self.pool, self._num_evictable
         cached_pages = pool._count[OWNER_KV_CACHED]
         spare_pages = pool._num_free + cached_pages - self.reserve_pages
         bpp = self.blocks_per_page
@@ -123,7 +138,7 @@ class KvBlockAllocator:
         free = self.num_free_blocks - idle_blocks
         protected = self.protected_blocks
         if protected and idle_blocks:
-            evictable = len(self._evictable)
+            evictable = self._num_evictable
             kept = protected - idle_blocks if protected > idle_blocks else 0
             free += min(protected, evictable) - min(kept, evictable - idle_blocks)
         return free
@@ -131,7 +146,7 @@ class KvBlockAllocator:
     @property
     def num_protected_blocks(self) -> int:
         """Evictable blocks protection holds back now."""
-        return min(self.protected_blocks, len(self._evictable))
+        return min(self.protected_blocks, self._num_evictable)
 
     @property
     def num_protected_pages(self) -> int:
@@ -148,7 +163,17 @@ class KvBlockAllocator:
     @property
     def num_cached_blocks(self) -> int:
         """Evictable cached blocks: prefix KV kept although no request holds it."""
-        return len(self._evictable)
+        return self._num_evictable
+
+    def evictable_blocks(self) -> list[int]:
+        """The evictable blocks, least recently used first (tests, checks)."""
+        out: list[int] = []
+        for entry in self._evictable:
+            if type(entry) is _RetiredRun:
+                out.extend(entry.blocks[entry.start :])
+            else:
+                out.append(entry)
+        return out
 
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > self.num_free_blocks:
@@ -219,7 +244,14 @@ class KvBlockAllocator:
         no key, exactly where ``release`` would have put them had they been registered, so the
         cache's memory and eviction order are unchanged; the rest are freed."""
         if num_dead > 0:
-            self._make_idle(block_ids[num_dead - 1 :: -1])
+            idle = block_ids[num_dead - 1 :: -1]
+            if self.blocks_per_page == 1:
+                self._evictable[_RetiredRun(idle)] = None
+                self._num_evictable += len(idle)
+                self.num_used_blocks -= len(idle)
+                self.pool.transfer_list(idle, OWNER_KV, OWNER_KV_CACHED)
+            else:
+                self._make_idle(idle)
             block_ids = block_ids[num_dead:]
         self._free_unkeyed(block_ids)
 
@@ -319,6 +351,7 @@ class KvBlockAllocator:
                 refs[block] = refs.get(block, 1) + 1
             out.append(block)
         self._move_pages(to_kv, OWNER_KV_CACHED, OWNER_KV)
+        self._num_evictable -= idle
         if idle and self.protected_blocks:  # see free_after_acquire
             self.protected_blocks = self.protected_blocks - idle if self.protected_blocks > idle else 0
         return out
@@ -359,6 +392,7 @@ class KvBlockAllocator:
         """Held blocks nobody holds any more become evictable, in this order (first: evicted
         first among them), and a page whose used blocks are all evictable a cached page."""
         self._evictable.update(dict.fromkeys(idle))
+        self._num_evictable += len(idle)
         self.num_used_blocks -= len(idle)
         bpp, owner_of = self.blocks_per_page, self.pool._owner_of
         if bpp == 1:  # page = block: each such page now holds only a cached block
@@ -429,56 +463,98 @@ class KvBlockAllocator:
                 raise PoolError(f"KV allocation of {num_blocks} blocks found only {len(out) + len(victims)}")
             for block in victims:
                 del self._evictable[block]
-            out.extend(self._reuse(victims))
+            self._num_evictable -= len(victims)
+            out.extend(self._reuse([(False, victims)]))
         return out
 
     def _forget(self, block: int) -> int:
         """Evict one evictable block: its key is forgotten; returns its page."""
         del self._evictable[block]
+        self._num_evictable -= 1
         key = self._key_of_block.pop(block, None)
         if key is not None:  # a retired block has none
             del self._block_of_key[key]
         if self.ghosts is not None:
             # A retired block takes a slot in the ghost list that no lookup can hit, as its key
             # would have: the list's contents are those of registering every block.
-            self.ghosts.add(key if key is not None else object())
+            if key is None:
+                self.ghosts.add_anonymous(1)
+            else:
+                self.ghosts.add(key)
         page = block // self.blocks_per_page
         if self.blocks_per_page > 1:
             self._evictable_in_page[page] -= 1
         self.num_evicted_blocks += 1
         return page
 
+    def _take_lru(self, num_blocks: int) -> list[tuple[bool, list[int]]]:
+        """Take the ``num_blocks`` least recently used evictable blocks out of the evictable set,
+        in order, as pieces ``(from a retired run, blocks)``. Usually one block (a decode crossing
+        into a new block once the cache fills the memory), or a slice of a retired run."""
+        evictable = self._evictable
+        pieces: list[tuple[bool, list[int]]] = []
+        singles: list[int] = []
+        left = num_blocks
+        while left:
+            entry = next(iter(evictable))
+            if type(entry) is _RetiredRun:
+                if singles:
+                    pieces.append((False, singles))
+                    singles = []
+                blocks, start = entry.blocks, entry.start
+                if start + left >= len(blocks):
+                    evictable.popitem(last=False)
+                    taken = blocks[start:] if start else blocks
+                else:
+                    taken = blocks[start : start + left]
+                    entry.start = start + left
+                pieces.append((True, taken))
+                left -= len(taken)
+            else:
+                evictable.popitem(last=False)
+                singles.append(entry)
+                left -= 1
+        if singles:
+            pieces.append((False, singles))
+        self._num_evictable -= num_blocks
+        return pieces
+
     def _evict_for_reuse(self, num_blocks: int) -> list[int]:
         """The ``num_blocks`` least recently used evictable blocks, evicted and handed out in
-        place as blocks a request holds (their pages stay KV pages). Usually one block for a
-        decode crossing into a new block once the cache fills the memory: plain Python."""
-        evictable = self._evictable
-        return self._reuse([evictable.popitem(last=False)[0] for _ in range(num_blocks)])
+        place as blocks a request holds (their pages stay KV pages)."""
+        return self._reuse(self._take_lru(num_blocks))
 
-    def _reuse(self, out: list[int]) -> list[int]:
-        """Evict ``out``, blocks just taken out of the evictable set, and hand them out in place."""
+    def _reuse(self, pieces: list[tuple[bool, list[int]]]) -> list[int]:
+        """Evict the blocks of ``pieces``, just taken out of the evictable set (``_take_lru``'s
+        form), and hand them out in place, in order."""
         by_key, by_block = self._block_of_key, self._key_of_block
+        ghosts = self.ghosts
+        out: list[int] = []
+        for from_run, blocks in pieces:
+            out.extend(blocks)
+            if from_run:  # retired blocks: no key, each a ghost slot no lookup can hit (see _forget)
+                if ghosts is not None:
+                    ghosts.newer_anonymous += len(blocks)
+            elif ghosts is None:
+                for block in blocks:
+                    key = by_block.pop(block, None)
+                    if key is not None:  # a retired block has none
+                        del by_key[key]
+            else:  # their keys become ghosts (core/reuse.py): one dict store each
+                evicted = ghosts.newer
+                for block in blocks:
+                    key = by_block.pop(block, None)
+                    if key is None:
+                        ghosts.newer_anonymous += 1
+                    else:
+                        del by_key[key]
+                        evicted[key] = None
+        if ghosts is not None and len(ghosts.newer) + ghosts.newer_anonymous >= ghosts.capacity:
+            ghosts.age()
         num_blocks = len(out)
-        bpp, in_page, owner_of = self.blocks_per_page, self._evictable_in_page, self.pool._owner_of
         self.num_evicted_blocks += num_blocks
         self.num_used_blocks += num_blocks
-        ghosts = self.ghosts
-        if ghosts is None:
-            for block in out:
-                key = by_block.pop(block, None)
-                if key is not None:  # a retired block has none
-                    del by_key[key]
-        else:  # their keys become ghosts (core/reuse.py): one dict store each
-            evicted = ghosts.newer
-            for block in out:
-                key = by_block.pop(block, None)
-                if key is None:
-                    key = object()  # a retired block: a slot no lookup can hit (see _forget)
-                else:
-                    del by_key[key]
-                evicted[key] = None
-            if len(evicted) >= ghosts.capacity:
-                ghosts.age()
+        bpp, in_page, owner_of = self.blocks_per_page, self._evictable_in_page, self.pool._owner_of
         if bpp == 1:  # page = block, and a page whose one block is evictable is a cached page
             self.pool.transfer_list(out, OWNER_KV_CACHED, OWNER_KV)
             return out
@@ -496,19 +572,19 @@ class KvBlockAllocator:
         """Free up to ``num_pages`` whole ``OWNER_KV_CACHED`` pages for another claimant, the
         pages of the least recently used evictable blocks first."""
         bpp, owner_of, evictable = self.blocks_per_page, self.pool._owner_of, self._evictable
+        if bpp == 1:  # page = block, and the page of an evictable block is a cached page
+            self._reclaim_blocks(min(num_pages, self._num_evictable))
+            return
         # The pages first, walking the LRU order only as far as needed (a copy of the whole
         # evictable set per call cost a sixth of a long-context run), then their blocks.
-        if bpp == 1:  # page = block, and the page of an evictable block is a cached page
-            freed = list(islice(evictable, num_pages))
-        else:
-            freed, seen = [], set()
-            for block in evictable:
-                if len(freed) >= num_pages:
-                    break
-                page = block // bpp
-                if page not in seen and owner_of[page] == OWNER_KV_CACHED:
-                    seen.add(page)
-                    freed.append(page)
+        freed, seen = [], set()
+        for block in evictable:
+            if len(freed) >= num_pages:
+                break
+            page = block // bpp
+            if page not in seen and owner_of[page] == OWNER_KV_CACHED:
+                seen.add(page)
+                freed.append(page)
         for page in freed:
             for b in range(page * bpp, page * bpp + bpp):
                 if b in evictable:
@@ -519,16 +595,45 @@ class KvBlockAllocator:
         if freed:
             self.pool.free(freed, OWNER_KV_CACHED)
 
+    def _reclaim_blocks(self, num_blocks: int) -> None:
+        """``_reclaim_pages`` with one block per page: evict the ``num_blocks`` least recently
+        used blocks (as ``_forget`` would, one after another) and free their pages."""
+        if num_blocks <= 0:
+            return
+        by_key, by_block, ghosts = self._block_of_key, self._key_of_block, self.ghosts
+        freed: list[int] = []
+        for from_run, blocks in self._take_lru(num_blocks):
+            freed.extend(blocks)
+            if from_run:
+                if ghosts is not None:
+                    ghosts.add_anonymous(len(blocks))
+                continue
+            for block in blocks:
+                key = by_block.pop(block, None)
+                if key is not None:  # a retired block has none
+                    del by_key[key]
+                if ghosts is not None:
+                    if key is None:
+                        ghosts.add_anonymous(1)
+                    else:
+                        ghosts.add(key)
+        self.num_evicted_blocks += num_blocks
+        self._used_in_page[freed] = 0
+        self.pool.free(freed, OWNER_KV_CACHED)
+
     def check(self) -> None:
         """Invariants: used + free slots = blocks of the KV pages; every KV page has a use; a
         page is ``OWNER_KV_CACHED`` exactly when its used blocks are all evictable; every cached
         block is held by a request or evictable, never both, under one key."""
         pool, bpp = self.pool, self.blocks_per_page
         kv_pages = pool.num_owned(OWNER_KV) + pool.num_owned(OWNER_KV_CACHED)
-        used = self.num_used_blocks + len(self._evictable)
+        evictable = self.evictable_blocks()
+        if len(evictable) != self._num_evictable or len(set(evictable)) != len(evictable):
+            raise PoolError(f"{self._num_evictable} evictable blocks counted, {len(evictable)} listed (or one twice)")
+        used = self.num_used_blocks + len(evictable)
         if used + self._num_free_in_pages != kv_pages * bpp:
             raise PoolError(
-                f"KV blocks: {self.num_used_blocks} used + {len(self._evictable)} cached + "
+                f"KV blocks: {self.num_used_blocks} used + {len(evictable)} cached + "
                 f"{self._num_free_in_pages} free != {kv_pages} pages x {bpp}"
             )
         if int(self._used_in_page.sum()) != used:
@@ -538,8 +643,8 @@ class KvBlockAllocator:
         evictable_in_page = self._evictable_in_page
         if bpp == 1:
             evictable_in_page = np.zeros(pool.num_pages, dtype=np.int32)
-            evictable_in_page[list(self._evictable)] = 1
-        elif int(evictable_in_page.sum()) != len(self._evictable):
+            evictable_in_page[evictable] = 1
+        elif int(evictable_in_page.sum()) != len(evictable):
             raise PoolError("per-page evictable counts disagree with the evictable set")
         owners = pool._owner_of
         in_use = self._used_in_page > 0
@@ -552,7 +657,7 @@ class KvBlockAllocator:
             self._block_of_key.get(k) != b for b, k in self._key_of_block.items()
         ):
             raise PoolError("prefix cache: key and block maps disagree")
-        if set(self._refs) & set(self._evictable) or not set(self._refs) <= set(self._key_of_block):
+        if set(self._refs) & set(evictable) or not set(self._refs) <= set(self._key_of_block):
             raise PoolError("prefix cache: a shared block is evictable or has no key")
         if any(n < 2 for n in self._refs.values()):
             raise PoolError("prefix cache: a shared block's count below two")

@@ -32,29 +32,51 @@ class GhostList:
     Two generations of keys, each a plain dict filled up to ``capacity`` keys: when the newer is
     full it becomes the older and the older is dropped, so the list holds the last ``capacity``
     to ``2 * capacity`` evicted keys and an eviction costs one dict store (the simulator's hot
-    path evicts a block for most new ones once the cache has filled the memory)."""
+    path evicts a block for most new ones once the cache has filled the memory).
+
+    A block evicted without a key (one retired by a request whose keys nobody else can hit)
+    takes a slot that no lookup can hit, as its key would have: it is counted, not stored
+    (``newer_anonymous``), so that the list's size, ageing and hit rate are those of keeping
+    every key, at no cost per block."""
 
     def __init__(self, capacity: int, window_s: float = REUSE_WINDOW_S):
         self.capacity = max(1, capacity)
         self.window_s = window_s
         self.newer: dict[int, None] = {}  # the allocator stores evicted keys here
         self._older: dict[int, None] = {}
+        self.newer_anonymous = 0  # slots of blocks evicted without a key, in the newer generation
+        self._older_anonymous = 0
         self._count = 0.0  # ghost hits, decayed with time constant window_s, as of _count_s
         self._count_s = 0.0
         self.num_hits = 0  # every ghost hit of the run (results, tests)
 
     def __len__(self) -> int:
-        return len(self.newer) + len(self._older)
+        return len(self.newer) + self.newer_anonymous + len(self._older) + self._older_anonymous
 
     def add(self, key: int) -> None:
         """An evicted block's key."""
         self.newer[key] = None
-        if len(self.newer) >= self.capacity:
+        if len(self.newer) + self.newer_anonymous >= self.capacity:
             self.age()
+
+    def add_anonymous(self, num_blocks: int) -> None:
+        """``num_blocks`` evicted blocks without a key, as ``add`` one at a time would take them
+        (the generation ages exactly where it fills)."""
+        while num_blocks > 0:
+            take = self.capacity - len(self.newer) - self.newer_anonymous
+            if take < 1:
+                take = 1  # an overfull generation (never left so by the allocator): as ``add``
+            if take > num_blocks:
+                take = num_blocks
+            self.newer_anonymous += take
+            num_blocks -= take
+            if len(self.newer) + self.newer_anonymous >= self.capacity:
+                self.age()
 
     def age(self) -> None:
         """The newer generation is full: it becomes the older, the older is forgotten."""
         self._older, self.newer = self.newer, {}
+        self._older_anonymous, self.newer_anonymous = self.newer_anonymous, 0
 
     def count_hits(self, keys: Sequence[int], start: int, limit: int, now_s: float) -> int:
         """An admitted request's blocks ``start``.. (up to ``limit``) were not cached: those of
