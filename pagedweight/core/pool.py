@@ -81,6 +81,8 @@ class PagePool:
         # Called with the number of pages missing when an allocation finds too few free: the KV
         # allocator evicts cached prefix pages there (``OWNER_KV_CACHED``). None: nothing to reclaim.
         self.reclaim: Callable[[int], None] | None = None
+        self._scratch: np.ndarray | None = None  # page -> position, for the duplicate check
+        self._positions = np.arange(64, dtype=np.int64)
 
     # ---- queries --------------------------------------------------------------------------
     @property
@@ -216,8 +218,19 @@ class PagePool:
                 f"page {bad} is owned by {owner_name(int(self._owner_of[bad]))}, not {owner_name(owner)} "
                 "(double free or wrong owner)"
             )
-        if len(pages) > 1 and len(set(pages.tolist())) != len(pages):  # a set: ~5x cheaper than np.unique
-            raise PoolError("a page is listed twice in one call (double free)")
+        n = len(pages)
+        if n > 1:
+            # A page listed twice: write each position into a scratch array at its page and read
+            # back; a repeated page holds its last position, so an earlier one reads another.
+            # Four numpy calls: ~4 us for 640 pages, where a set of them costs ~20 us.
+            if self._scratch is None:
+                self._scratch = np.zeros(self.num_pages, dtype=np.int64)
+            if len(self._positions) < n:
+                self._positions = np.arange(max(n, 2 * len(self._positions)), dtype=np.int64)
+            positions = self._positions[:n]
+            self._scratch[pages] = positions
+            if (self._scratch[pages] != positions).any():
+                raise PoolError("a page is listed twice in one call (double free)")
         return pages
 
     # ---- invariants -----------------------------------------------------------------------
