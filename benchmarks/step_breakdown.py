@@ -99,8 +99,8 @@ def serve(scenario: str, policy: str, out_dir: Path) -> pd.DataFrame:
 
     def on_record(self, start_s, duration_s, batch, shape, bytes_swapped=0):
         pending.update(
-            start_s=start_s, duration_s=duration_s, chunks=shape.prefill_tokens.tolist(),
-            chunk_kv=shape.prefill_kv_lens.tolist(), decode_kv=shape.decode_kv_lens.tolist(),
+            start_s=start_s, duration_s=duration_s, chunks=list(shape.prefill_tokens),
+            chunk_kv=list(shape.prefill_kv_lens), decode_kv=list(shape.decode_kv_lens),
             downgrades=self._counters[0], upgrades=self._counters[1],
         )  # fmt: skip
         return record_step(self, start_s, duration_s, batch, shape, bytes_swapped)

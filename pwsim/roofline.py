@@ -179,7 +179,7 @@ class AnalyticLatencyModel:
         attn_s = 0.0
         if num_chunks:
             heads_flops = 2.0 * m.num_heads * self.prefill_head_dims
-            for q, kv in zip(shape.prefill_tokens.tolist(), shape.prefill_kv_lens.tolist(), strict=True):
+            for q, kv in zip(shape.prefill_tokens, shape.prefill_kv_lens, strict=True):
                 flops = heads_flops * q * (kv - (q - 1) / 2)
                 attn_s += max(kv * self.kv_bytes_per_token_layer / bw, flops / peak)
         if num_decodes:

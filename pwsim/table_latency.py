@@ -319,15 +319,15 @@ class TableLatencyModel:
         md, fb = self.model, self.fallback
         num_decodes = len(shape.decode_kv_lens)
         num_chunks = len(shape.prefill_tokens)
-        num_tokens = (int(shape.prefill_tokens.sum()) if num_chunks else 0) + num_decodes
+        num_tokens = shape.num_prefill_tokens + num_decodes
         if num_tokens == 0:
             return 0.0
         attn_s = 0.0
         if num_chunks:
-            for q, kv in zip(shape.prefill_tokens.tolist(), shape.prefill_kv_lens.tolist(), strict=True):
+            for q, kv in zip(shape.prefill_tokens, shape.prefill_kv_lens, strict=True):
                 attn_s += self._one("attn_prefill", "attn_prefill", q, kv, lambda q=q, kv=kv: fb.attn_prefill_s(q, kv))
         if num_decodes:
-            total_kv = float(shape.decode_kv_lens.sum())
+            total_kv = float(shape.decode_kv_tokens)
             mean_kv = total_kv / num_decodes
             attn_s += self._one(
                 "attn_decode", "attn_decode", num_decodes, mean_kv, lambda: fb.attn_decode_s(num_decodes, total_kv)

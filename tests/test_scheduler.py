@@ -117,6 +117,22 @@ def test_pressure_hook_is_asked_before_any_preemption():
     assert asked and s.num_preemptions == 0
 
 
+def reference_forecast(s: Scheduler, horizon: int) -> int:
+    """``forecast_kv_blocks`` written out: each running request's growth over the horizon
+    (capped at its output) or, under forecast admission, its promise if larger; then the queue."""
+    bt, reserve = s.kv.block_tokens, s.config.admission_reserve_tokens
+    need = 0
+    for r in s.running:
+        grown = min(r.prompt_tokens + r.num_output_tokens + horizon, r.prompt_tokens + r.max_output_tokens - 1)
+        blocks = -(-grown // bt)
+        if s.config.admission == "forecast":
+            ahead = min(r.max_output_tokens - r.num_output_tokens, reserve)
+            blocks = max(blocks, -(-(r.prompt_tokens + r.num_output_tokens + ahead) // bt))
+        need += max(0, blocks - len(r.block_ids))
+    waiting = list(s.waiting)[: max(0, s.config.max_num_seqs - len(s.running))]
+    return need + sum(-(-(r.prompt_tokens + r.num_output_tokens + horizon) // bt) for r in waiting)
+
+
 def run_random_workload(
     seed, num_pages, blocks_per_page, block_tokens, max_batched, max_seqs, num_requests, with_hook, mode, admission
 ) -> int:
@@ -162,6 +178,9 @@ def run_random_workload(
         steps += 1
         pool.check()
         kv.check()
+        reserve_tokens = s.config.admission_reserve_tokens
+        for horizon in (1, reserve_tokens, reserve_tokens + 7):
+            assert s.forecast_kv_blocks(horizon) == reference_forecast(s, horizon)
         held = [b for r in s.running for b in r.block_ids]
         assert len(held) == len(set(held)) == kv.num_used_blocks
         assert not ({id(r) for r in s.running} & {id(r) for r in s.waiting})

@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from itertools import islice
 
-import numpy as np
-
 from pagedweight.core.kv_blocks import KvBlockAllocator
 from pagedweight.core.step import StepShape
 from pagedweight.errors import ConfigError, PoolError
@@ -179,9 +177,9 @@ class Batch:
     def shape(self) -> StepShape:
         """The step's shape for the latency model."""
         return StepShape(
-            np.array(self.prefill_tokens, dtype=np.int64),
-            np.array(self.prefill_kv_lens, dtype=np.int64),
-            np.array(self.decode_kv_lens, dtype=np.int64),
+            self.prefill_tokens,
+            self.prefill_kv_lens,
+            self.decode_kv_lens,
             sum(self.prefill_tokens),  # Python sums of the lists: cheaper than numpy's here
             sum(self.decode_kv_lens),
         )
@@ -567,13 +565,29 @@ class Scheduler:
         """KV blocks needed within ``horizon_steps`` steps beyond those held: running requests
         growing by one token a step (capped at their output length), and the queue's prompts."""
         bt = self.kv.block_tokens
-        need = 0
         # Under forecast admission the running requests' promises count too: weights that took
-        # those blocks back would be downgraded again at the next admission. (``_promise``
-        # inlined: this loop runs over every running request at every plan.)
+        # those blocks back would be downgraded again at the next admission. A promise covers
+        # the next ``admission_reserve_tokens`` outputs (or all that are left), so within that
+        # horizon it covers the growth too: the promised blocks are the answer.
         promise = self.config.admission == "forecast"
         reserve = self.config.admission_reserve_tokens
-        for req in self.running:
+        if promise and horizon_steps <= reserve:
+            need = self._promised_blocks()
+        else:
+            need = self._growth_blocks(horizon_steps, promise)
+        room = self.config.max_num_seqs - len(self.running)
+        if room > 0:
+            for req in islice(self.waiting, room):
+                need += -(-(req.prompt_tokens + req.num_output_tokens + horizon_steps) // bt)
+        return need
+
+    def _growth_blocks(self, horizon_steps: int, promise: bool) -> int:
+        """Blocks the running requests need beyond those held to grow ``horizon_steps`` tokens
+        each (capped at their output length), or their promises if larger."""
+        bt = self.kv.block_tokens
+        reserve = self.config.admission_reserve_tokens
+        need = 0
+        for req in self.running:  # ``_promise`` inlined: this loop runs at every plan
             prompt, outputs, max_outputs = req.prompt_tokens, req.num_output_tokens, req.max_output_tokens
             target = prompt + outputs + horizon_steps
             final = prompt + max_outputs - 1
@@ -585,8 +599,4 @@ class Scheduler:
             extra = blocks - len(req.block_ids)
             if extra > 0:
                 need += extra
-        room = self.config.max_num_seqs - len(self.running)
-        if room > 0:
-            for req in islice(self.waiting, room):
-                need += -(-(req.prompt_tokens + req.num_output_tokens + horizon_steps) // bt)
         return need
