@@ -129,3 +129,15 @@ def test_per_batch_size_caches_do_not_change_a_draw():
     for t in [40, 39, 40, 700, 39, 5, 40, 8000, 700]:
         assert np.array_equal(cached.sample(t), plain.sample(t))
     assert 40 in cached._by_tokens and not plain._by_tokens
+
+
+def test_uniform_stream_hands_out_the_rngs_own_sequence():
+    """Drawn ahead in blocks, the values are those of drawing each in turn, scalars and arrays
+    mixed, across block boundaries."""
+    from pwsim.routing import UniformStream
+
+    stream = UniformStream(np.random.default_rng(3), block=16)
+    got: list[float] = []
+    for n in (1, 5, 1, 30, 1, 1, 16, 3):
+        got.extend([stream.scalar()] if n == 1 else stream.array((n, 1)).ravel().tolist())
+    assert got == np.random.default_rng(3).random(len(got)).tolist()
