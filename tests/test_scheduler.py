@@ -134,9 +134,23 @@ def reference_forecast(s: Scheduler, horizon: int) -> int:
 
 
 def run_random_workload(
-    seed, num_pages, blocks_per_page, block_tokens, max_batched, max_seqs, num_requests, with_hook, mode, admission
+    seed,
+    num_pages,
+    blocks_per_page,
+    block_tokens,
+    max_batched,
+    max_seqs,
+    num_requests,
+    with_hook,
+    mode,
+    admission,
+    forecast=True,
+    batches=None,
 ) -> int:
-    """One random workload to the end, checking every invariant at every step; returns the steps."""
+    """One random workload to the end, checking every invariant at every step; returns the steps.
+    ``forecast``: ask for the KV forecast after every step, as the controller does before the
+    next schedule (admission then reuses the promised blocks it counted); ``batches``: a list
+    that gets each step's (request ids, tokens, preempted ids)."""
     rng = np.random.default_rng(seed)
     pool, kv, s = make(
         num_pages,
@@ -173,13 +187,16 @@ def run_random_workload(
             assert nxt < len(reqs) or not s.waiting, "waiting requests that can never run"
             continue
         assert batch.num_tokens <= max_batched and len(s.running) <= max_seqs
+        if batches is not None:
+            ids = [r.request_id for r in batch.requests]
+            batches.append((ids, list(batch.num_new_tokens), [r.request_id for r in batch.preempted]))
         s.finish_step(batch, now + 0.5)
         now += 0.5
         steps += 1
         pool.check()
         kv.check()
         reserve_tokens = s.config.admission_reserve_tokens
-        for horizon in (1, reserve_tokens, reserve_tokens + 7):
+        for horizon in (1, reserve_tokens, reserve_tokens + 7) if forecast else ():
             assert s.forecast_kv_blocks(horizon) == reference_forecast(s, horizon)
         held = [b for r in s.running for b in r.block_ids]
         assert len(held) == len(set(held)) == kv.num_used_blocks
@@ -219,6 +236,33 @@ def test_random_workloads_lose_nothing():
 
     workload()
     assert sum(steps) >= 2000, steps
+
+
+def test_admission_decides_alike_with_the_forecasts_count_or_its_own():
+    """Admission reuses the promised blocks the controller's forecast counted just before the
+    schedule (updated for the blocks the running requests took meanwhile): every batch and
+    preemption is what counting afresh gives."""
+    total = 0
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        kw = dict(
+            seed=seed,
+            num_pages=int(rng.integers(8, 48)),
+            blocks_per_page=int(rng.integers(1, 4)),
+            block_tokens=int(rng.choice([1, 4, 16])),
+            max_batched=int(rng.integers(16, 256)),
+            max_seqs=int(rng.integers(2, 32)),
+            num_requests=int(rng.integers(20, 80)),
+            with_hook=bool(seed % 2),
+            mode="recompute" if seed % 3 else "swap",
+            admission="forecast",
+        )
+        with_memo: list = []
+        fresh: list = []
+        total += run_random_workload(**kw, forecast=True, batches=with_memo)
+        run_random_workload(**kw, forecast=False, batches=fresh)
+        assert with_memo == fresh
+    assert total >= 500
 
 
 @pytest.mark.parametrize(

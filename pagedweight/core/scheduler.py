@@ -226,6 +226,10 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         # Running requests with prompt blocks still to register as they are computed.
         self._prefix_pending: dict[Request, None] = {}
+        # The promised blocks as the controller's forecast found them just before this step's
+        # schedule (``forecast_kv_blocks``), so that admission need not count them again; any
+        # change to the running requests outside ``schedule`` forgets it.
+        self._promised_memo: int | None = None
 
     # ---- arrivals -------------------------------------------------------------------------
     def add(self, req: Request) -> bool:
@@ -268,6 +272,7 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request, batch: Batch, now_s: float) -> None:
+        self._promised_memo = None
         if self.running[-1] is req:  # the newest, as schedule() picks: no scan of the list
             self.running.pop()
         else:
@@ -290,6 +295,7 @@ class Scheduler:
         batch.preempted.append(req)
 
     def schedule(self, now_s: float) -> Batch:
+        memo, self._promised_memo = self._promised_memo, None
         batch = Batch()
         budget = self.config.max_num_batched_tokens
         running, block_tokens = self.running, self.kv.block_tokens
@@ -310,6 +316,7 @@ class Scheduler:
                 continue
             num_new = remaining if remaining <= budget else budget
             if computed + num_new > len(req.block_ids) * block_tokens:
+                held = len(req.block_ids)
                 preempted_self = False
                 while not self._reserve(req, num_new):
                     victim = running[-1]  # newest first
@@ -319,6 +326,9 @@ class Scheduler:
                         break
                 if preempted_self:
                     break  # nothing older is left to preempt
+                if memo is not None:  # its promise now lacks fewer blocks
+                    promise = self._promise(req)
+                    memo += max(0, promise - len(req.block_ids)) - max(0, promise - held)
             if remaining == 1:
                 out_reqs.append(req)
                 out_tokens.append(1)
@@ -333,7 +343,9 @@ class Scheduler:
         if batch.preempted:
             return batch
         forecast = self.config.admission == "forecast"
-        promised = self._promised_blocks() if forecast and self.waiting else 0
+        promised = 0
+        if forecast and self.waiting:
+            promised = self._promised_blocks() if memo is None else memo
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if forecast:
@@ -412,6 +424,7 @@ class Scheduler:
 
     def finish_step(self, batch: Batch, end_s: float) -> list[Request]:
         """Record the step's results at ``end_s``; returns the requests that finished."""
+        self._promised_memo = None
         finished: list[Request] = []
         for req, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
             computed = req.num_computed_tokens + num_new
@@ -443,6 +456,7 @@ class Scheduler:
 
     def abort(self, req: Request, end_s: float, reason: str) -> None:
         """Drop a request (e.g. its client went away), freeing its KV at once."""
+        self._promised_memo = None
         if req.state is RUNNING:
             self.running.remove(req)
         elif req.state is WAITING:
@@ -572,7 +586,7 @@ class Scheduler:
         promise = self.config.admission == "forecast"
         reserve = self.config.admission_reserve_tokens
         if promise and horizon_steps <= reserve:
-            need = self._promised_blocks()
+            need = self._promised_memo = self._promised_blocks()
         else:
             need = self._growth_blocks(horizon_steps, promise)
         room = self.config.max_num_seqs - len(self.running)
