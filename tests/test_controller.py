@@ -479,3 +479,23 @@ def test_slo_serving_settings_are_checked():
         ControllerSettings(min_prefill_tokens=0)
     with pytest.raises(ConfigError, match=r"backlog_calm_s\(=-1\) must be >= 0"):
         ControllerSettings(backlog_calm_s=-1)
+
+
+def test_a_backlog_under_the_engines_weight_read_model_takes_the_fewest_bytes():
+    """The engine's step-time model prices the bytes of the experts in use: a backlog there
+    takes INT4, compared on whole steps (the measured step, plus the bytes each map changes)."""
+    core, clock, backend = make_core(budget_mib=400, ttft_slo_s=2.0, min_dwell_s=0.0, plan_interval_s=0.0)
+    pt = core.page_table
+    core.use_weight_read_model(float(pt.bytes_by_id[pt.precision_ids].sum()) / 0.02)  # 20 ms at BF16
+    routed = np.ones((MODEL.num_moe_layers, MODEL.num_experts), dtype=np.int64)
+    for rid in range(60):
+        core.add(Request(rid, clock.now_s, 400, 20))
+
+    def duration(batch, shape):
+        core.observe_routing(routed)
+        return 0.03 + core.controller.step_time_s(pt.precision_ids) + 1e-4 * shape.num_prefill_tokens
+
+    for _ in range(20):
+        step_with(core, clock, backend, duration)
+    assert core.controller.backlog
+    assert (pt.precision_ids == PRECISION_ID["int4"]).all()

@@ -209,6 +209,7 @@ class Controller:
         self._calm_since: float | None = None
         self._deferring = False  # late requests were moved behind on-time ones
         self._last_prefill_tokens = 0  # of the last step: a backlog's precision is chosen on a prefill step
+        self._last_step_s = 0.0
         self._speed_level: int | None = None  # the backlog's precision (ladder level), None: none
         self._speed_chosen_s = -np.inf
 
@@ -433,6 +434,7 @@ class Controller:
         else:
             self._step_ema_s += STEP_EMA_WEIGHT * (duration_s - self._step_ema_s)
         self._last_prefill_tokens = prefill_tokens
+        self._last_step_s = duration_s
         if self._shape_fit is not None:
             self._shape_fit.observe(duration_s, prefill_tokens, decodes)
         if prefill_tokens >= PREFILL_SAMPLE_TOKENS and prefill_tokens >= decodes:
@@ -560,11 +562,14 @@ class Controller:
         cur = pt.precision_ids
         if self._speed_level is None or now_s - self._speed_chosen_s >= self.settings.min_dwell_s:
             # Chosen again at most once per dwell time: each choice prices every ladder step.
+            # The last step as it ran, plus what the model says each map changes: a model that
+            # prices only the weights' bytes (the engine's) then compares whole steps too.
             self._speed_chosen_s = now_s
+            base_s = max(0.0, self._last_step_s - self.step_time_s(cur))
             options = []
             for lvl, pid in enumerate(self.ladder_ids.tolist()):
                 ids = np.full_like(cur, pid)
-                options.append((self.step_time_s(ids), float(self.table.dloss[:, lvl].sum()), lvl))
+                options.append((base_s + self.step_time_s(ids), float(self.table.dloss[:, lvl].sum()), lvl))
             fastest_s = min(o[0] for o in options)
             _, _, lvl = min((o for o in options if o[0] <= 1.02 * fastest_s), key=lambda o: o[1])
             held = self._speed_level
