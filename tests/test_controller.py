@@ -313,3 +313,189 @@ def test_weight_read_model_puts_speed_in_the_objective_without_a_latency_model()
         core.plan_step()
     assert any(t.kind == DOWNGRADE for t in core.transitions)
     assert 0.01 + core.controller.step_time_s(pt.precision_ids) <= 0.05 + 1e-9
+
+
+# ---- serving under the SLOs (pagedweight): backlog, batch limits, late requests ------------------
+def step_with(core, clock, backend, duration_of, step_s=None):
+    """One step through the core's own pieces; the step lasts ``duration_of(batch)`` seconds."""
+    backend.step += 1
+    backend.land(core)
+    core.plan_step()
+    batch = core.scheduler.schedule(clock.now_s)
+    shape = batch.shape()
+    duration_s = duration_of(batch, shape) if batch.requests else 0.01
+    start_s = clock.now_s
+    clock.now_s += duration_s
+    if batch.requests:
+        core.scheduler.finish_step(batch, clock.now_s)
+        core.record_step(start_s, duration_s, batch, shape)
+    return batch
+
+
+def test_a_backlog_downgrades_for_speed_and_precision_comes_back_when_it_drains():
+    """No KV pressure (a roomy budget), no TPOT at risk: only the queue. 60 prompts arrive at
+    once; prefilling them takes seconds while the TTFT SLO is 2 s, so speed is worth more than
+    precision: every expert goes to the fastest precision for the step (INT4, by a weight-bound
+    step-time model) and none comes up while the queue lasts. Once it has drained and stayed
+    calm for ``backlog_calm_s``, upgrades restore full precision. Each expert moves twice."""
+    core, clock, backend = make_core(
+        budget_mib=400, ttft_slo_s=2.0, backlog_calm_s=0.5, min_dwell_s=0.0, plan_interval_s=0.0
+    )
+    model = weight_bound_steps(core, 0.01, 0.08)
+    core.set_step_time_model(model)
+    ctl, pt = core.controller, core.page_table
+    assert (pt.precision_ids == PRECISION_ID["bf16"]).all()
+    for rid in range(60):
+        core.add(Request(rid, clock.now_s, 400, 20))
+
+    def duration(batch, shape):
+        return model(pt.precision_ids) + 1e-4 * shape.num_prefill_tokens
+
+    saw_backlog = False
+    while core.scheduler.waiting:
+        step_with(core, clock, backend, duration)
+        if ctl.backlog:
+            saw_backlog = True
+            assert not pt.in_flight or all(t.to_id == PRECISION_ID["int4"] for t in pt.in_flight.values())
+    assert saw_backlog and (pt.precision_ids == PRECISION_ID["int4"]).all()
+    assert all(t.kind is DOWNGRADE for t in core.transitions)
+    while core.scheduler.has_work():
+        step_with(core, clock, backend, duration)
+    for _ in range(40):  # idle: the controller still plans (RuntimeCore.idle_tick)
+        clock.now_s += 0.05
+        backend.step += 1
+        backend.land(core)
+        core.idle_tick()
+    assert not ctl.backlog
+    assert (pt.precision_ids == PRECISION_ID["bf16"]).all()
+    moves = np.bincount([t.expert for t in core.transitions], minlength=pt.num_experts)
+    assert (moves == 2).all()  # down once, up once
+    assert all(r.state.value == "finished" for r in core.scheduler.running) and not core.scheduler.waiting
+
+
+def test_a_backlog_picks_the_precision_that_computes_fastest_for_prefill():
+    """Where a prefill-heavy step is fastest at FP8 (FP8 MMAs) rather than at the fewest bytes,
+    the backlog takes FP8: INT4 reads fewer bytes but computes no faster."""
+    four = ("bf16", "fp8", "int8", "int4")
+    core, clock, backend = make_core(budget_mib=400, ladder=four, ttft_slo_s=2.0, min_dwell_s=0.0, plan_interval_s=0.0)
+    pt = core.page_table
+    speed = {PRECISION_ID["bf16"]: 1.0, PRECISION_ID["fp8"]: 0.55, PRECISION_ID["int8"]: 0.9, PRECISION_ID["int4"]: 0.8}
+    lut = np.array([speed.get(i, 1.0) for i in range(int(max(PRECISION_ID.values())) + 1)])
+
+    def model(ids):
+        return 0.08 * float(lut[ids].mean())
+
+    core.set_step_time_model(model)
+    for rid in range(60):
+        core.add(Request(rid, clock.now_s, 400, 20))
+    for _ in range(20):
+        step_with(core, clock, backend, lambda b, s: model(pt.precision_ids) + 1e-4 * s.num_prefill_tokens)
+    assert core.controller.backlog
+    assert (pt.precision_ids == PRECISION_ID["fp8"]).all()
+
+
+def test_admission_is_capped_where_the_step_would_pass_the_tpot_slo():
+    """Steps cost 5 ms + 1 ms per decoding request + 20 us per prefill token (learnt from the
+    steps that ran); the TPOT SLO is 50 ms, so (at 90% of it, beside 256 prefill tokens) about
+    35 requests may decode at once. 60 arrive: pagedweight keeps the running batch there and
+    serves the rest as requests finish, every step within the SLO once the fit has its
+    samples (a few more get in while it is still learning); a static policy admits all 60
+    (vLLM's rule, max_num_seqs 64). Nobody is dropped."""
+
+    def duration(batch, shape):
+        return 0.005 + 0.001 * shape.num_decodes + 2e-5 * shape.num_prefill_tokens
+
+    def serve(policy):
+        core, clock, backend = make_core(policy, budget_mib=400, tpot_slo_s=0.05, min_dwell_s=0.0)
+        reqs = [Request(rid, 0.0, 16, 200) for rid in range(60)]
+        peak, slow_steps = 0, 0
+        for i, r in enumerate(reqs):
+            core.add(r)
+            if i < 20:  # a few requests first: the fit learns from steps of several shapes
+                step_with(core, clock, backend, duration)
+        while core.scheduler.has_work():
+            batch = step_with(core, clock, backend, duration)
+            peak = max(peak, len(core.scheduler.running))
+            slow_steps += duration(batch, batch.shape()) > 0.05
+            if policy == "pagedweight" and core.controller._shape_fit.num_steps > 60:
+                # (45 ms - 5 ms - 256 x 20 us) / 1 ms: 34 requests, or those running already
+                n = len(core.scheduler.running)
+                assert core.controller.step_limits(clock.now_s)[1] == max(34, n)
+        assert all(r.state.value == "finished" for r in reqs)
+        return peak, slow_steps
+
+    peak, slow_steps = serve("pagedweight")
+    assert 30 <= peak <= 40 and slow_steps == 0, (peak, slow_steps)
+    for policy in ("static-int8", "paper-greedy"):
+        assert serve(policy)[0] == 60, policy
+
+
+def test_requests_that_missed_the_ttft_slo_wait_behind_those_that_can_meet_it():
+    """Overload: 60 requests arrive at 0 s, 30 more at 1.5 s, the TTFT SLO is 1 s. Once the
+    first ones have missed it, the newer ones (which still can meet it) are admitted first;
+    the late ones after them, FCFS, none dropped. Static policies serve FCFS."""
+
+    def serve(policy):
+        core, clock, backend = make_core(policy, budget_mib=400, ttft_slo_s=1.0, min_dwell_s=0.0)
+        first = [Request(rid, 0.0, 400, 10) for rid in range(60)]
+        second = [Request(60 + rid, 1.5, 400, 10) for rid in range(30)]
+        for r in first:
+            core.add(r)
+        added = False
+        while core.scheduler.has_work() or not added:
+            if not added and clock.now_s >= 1.5:
+                for r in second:
+                    core.add(r)
+                added = True
+            step_with(core, clock, backend, lambda b, s: 0.05)
+        assert all(r.state.value == "finished" for r in first + second)
+        return first, second
+
+    first, second = serve("pagedweight")
+    late = [r for r in first if r.first_scheduled_s > 1.5]
+    assert late, "the test needs requests still waiting when the second wave arrives"
+    assert max(r.first_scheduled_s for r in second) <= min(r.first_scheduled_s for r in late)
+    assert [r.request_id for r in sorted(late, key=lambda r: r.first_scheduled_s)] == [r.request_id for r in late]
+    first, second = serve("static-int8")
+    assert max(r.first_scheduled_s for r in first) <= min(r.first_scheduled_s for r in second)
+
+
+def test_static_policies_have_no_step_limits_and_paper_greedy_no_slo_serving():
+    for policy in ("static-fp16", "static-int8", "static-int4", "static-mixed", "kv-swap", "paper-greedy"):
+        core, _, _ = make_core(policy, budget_mib=400, tpot_slo_s=0.05, ttft_slo_s=1.0)
+        assert core.scheduler.step_limits is None, policy
+        if core.controller is not None:
+            assert core.controller.scheduler is None and core.controller._shape_fit is None
+    core, _, _ = make_core("pagedweight", budget_mib=400, tpot_slo_s=0.05, ttft_slo_s=1.0)
+    assert core.scheduler.step_limits == core.controller.step_limits
+    core, _, _ = make_core("pagedweight", budget_mib=400, tpot_slo_s=0.05, slo_batching=False)
+    assert core.scheduler.step_limits is None
+
+
+def test_slo_serving_settings_are_checked():
+    with pytest.raises(ConfigError, match=r"backlog_fraction\(=0\) must be in \(0, 1\]"):
+        ControllerSettings(backlog_fraction=0)
+    with pytest.raises(ConfigError, match=r"min_prefill_tokens\(=0\) must be >= 1"):
+        ControllerSettings(min_prefill_tokens=0)
+    with pytest.raises(ConfigError, match=r"backlog_calm_s\(=-1\) must be >= 0"):
+        ControllerSettings(backlog_calm_s=-1)
+
+
+def test_a_backlog_under_the_engines_weight_read_model_takes_the_fewest_bytes():
+    """The engine's step-time model prices the bytes of the experts in use: a backlog there
+    takes INT4, compared on whole steps (the measured step, plus the bytes each map changes)."""
+    core, clock, backend = make_core(budget_mib=400, ttft_slo_s=2.0, min_dwell_s=0.0, plan_interval_s=0.0)
+    pt = core.page_table
+    core.use_weight_read_model(float(pt.bytes_by_id[pt.precision_ids].sum()) / 0.02)  # 20 ms at BF16
+    routed = np.ones((MODEL.num_moe_layers, MODEL.num_experts), dtype=np.int64)
+    for rid in range(60):
+        core.add(Request(rid, clock.now_s, 400, 20))
+
+    def duration(batch, shape):
+        core.observe_routing(routed)
+        return 0.03 + core.controller.step_time_s(pt.precision_ids) + 1e-4 * shape.num_prefill_tokens
+
+    for _ in range(20):
+        step_with(core, clock, backend, duration)
+    assert core.controller.backlog
+    assert (pt.precision_ids == PRECISION_ID["int4"]).all()

@@ -123,7 +123,8 @@ def test_quality_proxy_kept_incrementally_equals_a_full_recount():
     from pwsim.engine import SimEngine
     from pwsim.latency import build_latency_model
 
-    sets = [*PRESSURE, "policies=[pagedweight]", "controller.min_dwell_s=0", "workload.lengths.output_tokens=200"]
+    sets = [*PRESSURE, "policies=[pagedweight]", "controller.min_dwell_s=0", "controller.backlog_calm_s=0"]
+    sets.append("workload.lengths.output_tokens=200")
     loaded = load_scenario(FIXTURES / "scenarios" / "good.yaml", sets)
     sc = loaded.scenario
     trace = build_workload(sc.workload, loaded.base_dir, loaded.max_model_len, np.random.default_rng(0))

@@ -41,6 +41,7 @@ def core_config(loaded: LoadedScenario) -> CoreConfig:
             **c.model_dump(exclude={"static_mixed_fraction", "max_in_flight"}),
             max_in_flight_bytes=c.max_in_flight,
             tpot_slo_s=None if sc.slo.tpot_ms is None else sc.slo.tpot_ms / 1e3,
+            ttft_slo_s=None if sc.slo.ttft_ms is None else sc.slo.ttft_ms / 1e3,
         ),
         static_mixed_fraction=c.static_mixed_fraction,
         paper_greedy_precisions=sc.memory.paper_greedy_precisions,

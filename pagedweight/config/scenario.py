@@ -178,6 +178,15 @@ class ControllerConfig(_Strict):
     # as a multiple of the whole ladder's loss (ControllerSettings.recompute_weight; 0: cached
     # prefixes always give way first, as under every other policy).
     recompute_weight: float = Field(default=_CTL.recompute_weight, ge=0)
+    # Serving under the SLOs (pagedweight; ControllerSettings): a backlog (the queue's projected
+    # wait past this fraction of slo.ttft_ms) puts the experts at the step's fastest precision
+    # until the queue has been calm this long; under slo.tpot_ms each step's prefill tokens and
+    # the running batch are capped at the learnt step time (at least min_prefill_tokens a step),
+    # and requests past slo.ttft_ms wait behind those that can still meet it (slo_batching).
+    backlog_fraction: float = Field(default=_CTL.backlog_fraction, gt=0, le=1)
+    backlog_calm_s: float = Field(default=_CTL.backlog_calm_s, ge=0)
+    slo_batching: bool = _CTL.slo_batching
+    min_prefill_tokens: int = Field(default=_CTL.min_prefill_tokens, ge=1)
     # static-mixed: the fixed weight budget, as a fraction of every expert at the top precision.
     static_mixed_fraction: float = Field(default=CoreConfig.static_mixed_fraction, gt=0, le=1)
 

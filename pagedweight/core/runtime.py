@@ -261,6 +261,13 @@ class RuntimeCore:
                 self.scheduler.forecast_kv_blocks,
             )
             self.scheduler.pressure_hook = self._on_pressure
+            if setup.controller_mode == "pagedweight":
+                # Serving under the SLOs: the controller reads the queue (backlog) and sets each
+                # step's batch limits and the order of late requests (Controller.step_limits).
+                self.controller.scheduler = self.scheduler
+                ctl = cfg.controller
+                if ctl.slo_batching and (ctl.tpot_slo_s is not None or ctl.ttft_slo_s is not None):
+                    self.scheduler.step_limits = self.controller.step_limits
             # pagedweight weighs cached prefixes against downgrades by their observed reuse.
             if setup.controller_mode == "pagedweight" and cfg.prefix_caching and cfg.controller.recompute_weight > 0:
                 self.kv.track_reuse()

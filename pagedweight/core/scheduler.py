@@ -198,6 +198,8 @@ class Batch:
 # A memory-pressure hook gets the number of KV blocks missing and may free pages (e.g. by
 # downgrading experts) before the scheduler resorts to preemption.
 PressureHook = Callable[[int], None]
+# A step limits hook gets the step's start time and returns (token budget, most running requests).
+StepLimits = Callable[[float], tuple[int, int]]
 
 
 class Scheduler:
@@ -216,6 +218,11 @@ class Scheduler:
         self.kv = kv
         self.max_kv_blocks = max_kv_blocks
         self.pressure_hook = pressure_hook
+        # Step limits hook: called at the start of ``schedule(now_s)``, returns this step's token
+        # budget and most running requests (in place of ``max_num_batched_tokens`` and
+        # ``max_num_seqs``) and may reorder ``waiting``. None: the configured limits, FCFS. The
+        # pagedweight controller sets it (``Controller.step_limits``: SLO-aware batches).
+        self.step_limits: StepLimits | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -297,7 +304,9 @@ class Scheduler:
     def schedule(self, now_s: float) -> Batch:
         memo, self._promised_memo = self._promised_memo, None
         batch = Batch()
-        budget = self.config.max_num_batched_tokens
+        budget, max_seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        if self.step_limits is not None:  # the pagedweight controller's SLO-aware limits
+            budget, max_seqs = self.step_limits(now_s)
         running, block_tokens = self.running, self.kv.block_tokens
         out_reqs, out_tokens, dec_kv = batch.requests, batch.num_new_tokens, batch.decode_kv_lens
         add_req, add_tokens, add_kv = out_reqs.append, out_tokens.append, dec_kv.append
@@ -348,7 +357,7 @@ class Scheduler:
         promised = 0
         if forecast and self.waiting:
             promised = self._promised_blocks() if memo is None else memo
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < max_seqs:
             req = self.waiting[0]
             if forecast:
                 need = self._admits(req, promised)

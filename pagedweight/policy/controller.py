@@ -16,6 +16,12 @@ Rules, per policy (``pagedweight.policy.policies``):
   flight), and never for an expert changed less than ``min_dwell_s`` ago. Under a TPOT SLO (and
   a step-time model from the runtime) upgrades stop where the predicted step nears the SLO and
   a step predicted past it downgrades, if a cheaper map meets it (``latency_cap``).
+- ``pagedweight`` under the SLOs (docs/DESIGN.md, "Serving under the SLOs"): a backlog (the
+  queue's projected wait past ``backlog_fraction`` of the TTFT SLO) moves every expert to the
+  ladder's fastest precision for a prefill step and holds upgrades there until the queue has
+  been calm for ``backlog_calm_s``; ``step_limits`` (the scheduler's hook) caps each step's
+  prefill tokens and running batch where the learnt step time (``StepShapeFit``) reaches the
+  TPOT SLO, and puts requests that already missed the TTFT SLO behind those that can meet it.
 - ``pagedweight`` and prefix caching: cached prefix blocks are weighed against downgrades by
   what each costs (``_protect``): evicting a block costs the prefill its expected reuse would
   have saved (the ghost list's observed hit rate, ``pagedweight.core.reuse``, times the recent
@@ -33,7 +39,7 @@ is pinned at its target and its old pages still count.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import numpy as np
@@ -46,7 +52,7 @@ from pagedweight.errors import ConfigError
 from pagedweight.policy.allocate import Plan, Problem, paper_greedy
 from pagedweight.policy.hull import MarginalPlanner
 from pagedweight.policy.importance import ImportanceTable, RoutingTracker
-from pagedweight.policy.latency_cap import StepTimeModel, largest_budget_within
+from pagedweight.policy.latency_cap import StepShapeFit, StepTimeModel, largest_budget_within
 
 
 class ChangeKind(Enum):
@@ -103,10 +109,32 @@ class ControllerSettings:
     # the downgrade sparing it would cost. 0: cached blocks always give way first (vLLM's rule,
     # which every other policy keeps).
     recompute_weight: float = 1.0
+    # Serving under the SLOs (pagedweight; see latency_cap.py and docs/DESIGN.md). Set from the
+    # scenario's slo.ttft_ms: what a waiting request may wait for its first token (None: off).
+    ttft_slo_s: float | None = None
+    # Backlog: when the queue's projected wait (the oldest on-time request's wait so far plus the
+    # queued prompts' prefill at the recent seconds per token) passes this fraction of the TTFT
+    # SLO, speed is worth more than precision: the experts go to the precision whose step is
+    # fastest for a step that prefills, and stay there (no upgrades) until the projected wait
+    # has stayed under half of it for ``backlog_calm_s``.
+    backlog_fraction: float = 0.5
+    backlog_calm_s: float = 20.0
+    # SLO-aware batches under a TPOT SLO: each step's prefill tokens and the running batch are
+    # capped where the learnt step-time model predicts (1 - latency_margin) of the SLO (at least
+    # ``min_prefill_tokens`` of prefill a step, so the queue always moves); under a TTFT SLO the
+    # requests that have already missed it wait behind those that can still meet it.
+    slo_batching: bool = True
+    min_prefill_tokens: int = 256
 
     def __post_init__(self) -> None:
         if not self.recompute_weight >= 0:
             raise ConfigError(f"controller.recompute_weight(={self.recompute_weight}) must be >= 0")
+        if not 0 < self.backlog_fraction <= 1:
+            raise ConfigError(f"controller.backlog_fraction(={self.backlog_fraction}) must be in (0, 1]")
+        if not self.backlog_calm_s >= 0:
+            raise ConfigError(f"controller.backlog_calm_s(={self.backlog_calm_s}) must be >= 0")
+        if self.min_prefill_tokens < 1:
+            raise ConfigError(f"controller.min_prefill_tokens(={self.min_prefill_tokens}) must be >= 1")
 
 
 class Controller:
@@ -171,6 +199,19 @@ class Controller:
         # protection may push the weights to; None while nothing is protected).
         self._token_ema_s = 0.0
         self._weights_over_cache_pages: int | None = None
+        # Serving under the SLOs (pagedweight): the scheduler whose queue and batch the controller
+        # reads (set by RuntimeCore), the learnt step time by shape, and the backlog state.
+        self.scheduler = None
+        ok = mode == "pagedweight" and settings.slo_batching and settings.tpot_slo_s is not None
+        self._shape_fit = StepShapeFit() if ok else None
+        self._fit: tuple[float, float, float] | None = None  # (s, s per prefill token, s per decode)
+        self._backlog = False
+        self._calm_since: float | None = None
+        self._deferring = False  # late requests were moved behind on-time ones
+        self._last_prefill_tokens = 0  # of the last step: a backlog's precision is chosen on a prefill step
+        self._last_step_s = 0.0
+        self._speed_level: int | None = None  # the backlog's precision (ladder level), None: none
+        self._speed_chosen_s = -np.inf
 
     def _use_table(self, table: ImportanceTable) -> None:
         self.table = table.replace(bytes=self._page_bytes_grid)
@@ -343,6 +384,9 @@ class Controller:
         low = int(s.low_watermark * self.pool.num_pages)
         high = int(s.high_watermark * self.pool.num_pages)
         room = self._available_weight_pages(forecast_pages, low)
+        if self._shape_fit is not None:
+            self._fit = self._shape_fit.fit()
+        backlog = self._update_backlog(now_s)
         if self.kv.ghosts is not None:
             room -= self._protect(room, now_s)
         spare = room - self.weight_pages()
@@ -356,11 +400,18 @@ class Controller:
             else:
                 budget = self._speed_capped(room - (high - low), 1.0 - s.latency_margin)
                 plan = self._plan(budget)
+                if plan is not None and backlog:
+                    # Speed is worth more than precision: upgrades only up to the backlog's
+                    # precision (none before it is chosen).
+                    ids = self._at_most_speed_level(plan.precision_ids)
+                    plan = None if ids is None else replace(plan, precision_ids=ids)
                 changes = self._upgrades_to(plan, now_s, budgeted=True) if plan is not None else []
-        elif self._rebalance and not self.page_table.in_flight:
+        elif self._rebalance and not self.page_table.in_flight and not backlog:
             changes = self._rebalanced(now_s)
         else:
             changes = []
+        if not changes and backlog and self._last_prefill_tokens >= s.min_prefill_tokens:
+            changes = self._backlog_downgrades(now_s)
         if not changes:
             changes = self._speed_downgrades()
         self._mark(changes, now_s)
@@ -382,6 +433,10 @@ class Controller:
             self._step_ema_s = duration_s
         else:
             self._step_ema_s += STEP_EMA_WEIGHT * (duration_s - self._step_ema_s)
+        self._last_prefill_tokens = prefill_tokens
+        self._last_step_s = duration_s
+        if self._shape_fit is not None:
+            self._shape_fit.observe(duration_s, prefill_tokens, decodes)
         if prefill_tokens >= PREFILL_SAMPLE_TOKENS and prefill_tokens >= decodes:
             per_token_s = duration_s / (prefill_tokens + decodes)
             if self._token_ema_s == 0.0:
@@ -428,6 +483,170 @@ class Controller:
         # next plans would downgrade again for steps already made faster.
         self._step_ema_s = tpot(ids_of(cap))
         return self._shrink_to(cap)
+
+    # ---- serving under the SLOs (pagedweight): backlog, batch limits, late requests --------------
+    def _backlog_on(self) -> bool:
+        s = self.settings
+        return (
+            self.mode == "pagedweight"
+            and s.ttft_slo_s is not None
+            and self.scheduler is not None
+            and self.step_time_s is not None
+        )
+
+    def queue_wait_s(self, now_s: float) -> float:
+        """The queue's projected wait for a first token: the oldest on-time waiting request's wait
+        so far plus the prefill of every queued prompt (and preempted request's tokens) at the
+        learnt seconds per prefill token. Infinite when a request has already missed the TTFT
+        SLO while waiting: demand has outrun the current map."""
+        cutoff = now_s - self.settings.ttft_slo_s
+        oldest, tokens = now_s, 0
+        for r in self.scheduler.waiting:
+            if r.first_token_s is None:
+                if r.arrival_s < cutoff:
+                    return float("inf")
+                if r.arrival_s < oldest:
+                    oldest = r.arrival_s
+            tokens += r.num_tokens - r.swapped_tokens
+        per_token_s = self._fit[1] if self._fit is not None and self._fit[1] > 0 else self._token_ema_s
+        return now_s - oldest + tokens * per_token_s
+
+    def _update_backlog(self, now_s: float) -> bool:
+        """Backlog on when the queue's projected wait passes ``backlog_fraction`` of the TTFT SLO;
+        off once it has stayed under half of that for ``backlog_calm_s`` (hysteresis: bursts a
+        few seconds apart do not flip every expert back and forth)."""
+        if not self._backlog_on():
+            return False
+        s = self.settings
+        enter_s = s.backlog_fraction * s.ttft_slo_s
+        wait_s = self.queue_wait_s(now_s) if self.scheduler.waiting else 0.0
+        if wait_s > enter_s:
+            self._backlog, self._calm_since = True, None
+        elif self._backlog:
+            if wait_s > enter_s / 2:
+                self._calm_since = None
+            elif self._calm_since is None:
+                self._calm_since = now_s
+            elif now_s - self._calm_since >= s.backlog_calm_s:
+                self._backlog, self._calm_since, self._speed_level = False, None, None
+                self._planned_for = None  # upgrades may go above the backlog's precision again
+        return self._backlog
+
+    @property
+    def backlog(self) -> bool:
+        return self._backlog
+
+    def _at_most_speed_level(self, target_ids: np.ndarray) -> np.ndarray | None:
+        """A plan's precisions under backlog: none above the backlog's precision, and that
+        precision where the plan chose another of the same pages (as fast to read, and it was
+        chosen for computing faster). None before the backlog's precision is chosen."""
+        lvl = self._speed_level
+        if lvl is None:
+            return None
+        to_id = self.ladder_ids[lvl]
+        pages = self.page_table.pages_by_id
+        out = target_ids.copy()
+        out[(self._level_of_id[out] < lvl) | (pages[out] == pages[to_id])] = to_id
+        return out
+
+    def _backlog_downgrades(self, now_s: float) -> list[Change]:
+        """Under backlog: choose the ladder's fastest precision for the last step's shape (one
+        with at least ``min_prefill_tokens`` of prefill: a queue waits for prefill), every expert
+        at it, by the runtime's step-time model (a memory-bound decode step is fastest at the
+        fewest bytes, a prefill-heavy one where the GPU computes fastest, e.g. FP8 MMAs); among
+        precisions within 2% of the fastest, the least loss. The experts more precise than it go
+        down to it; those below it come up to it only as upgrades do, when memory allows. The
+        choice is made again at most once per ``min_dwell_s``, and kept unless another precision
+        would make the step at least 10% faster (a mixed step may favour either)."""
+        pt = self.page_table
+        cur = pt.precision_ids
+        if self._speed_level is None or now_s - self._speed_chosen_s >= self.settings.min_dwell_s:
+            # Chosen again at most once per dwell time: each choice prices every ladder step.
+            # The last step as it ran, plus what the model says each map changes: a model that
+            # prices only the weights' bytes (the engine's) then compares whole steps too.
+            self._speed_chosen_s = now_s
+            base_s = max(0.0, self._last_step_s - self.step_time_s(cur))
+            options = []
+            for lvl, pid in enumerate(self.ladder_ids.tolist()):
+                ids = np.full_like(cur, pid)
+                options.append((base_s + self.step_time_s(ids), float(self.table.dloss[:, lvl].sum()), lvl))
+            fastest_s = min(o[0] for o in options)
+            _, _, lvl = min((o for o in options if o[0] <= 1.02 * fastest_s), key=lambda o: o[1])
+            held = self._speed_level
+            if held is not None and options[lvl][0] > 0.9 * options[held][0]:
+                lvl = held  # hysteresis: a new precision must make this step 10% faster
+            if lvl != self._speed_level:
+                self._speed_level = lvl
+                self._planned_for = None  # the upgrade cap moved: plan again
+        lvl = self._speed_level
+        above = np.flatnonzero(self._level_of_id[cur] < lvl)
+        if not len(above):
+            return []
+        to_id = int(self.ladder_ids[lvl])
+        changes = [Change(ABORT, e, int(cur[e])) for e in pt.in_flight]
+        return changes + [Change(DOWNGRADE, int(e), to_id) for e in above]
+
+    def step_limits(self, now_s: float) -> tuple[int, int]:
+        """The scheduler's limits for the step about to be batched (``Scheduler.step_limits``):
+        tokens and running requests. Under a TPOT SLO, the prefill tokens and the running batch
+        the learnt step model (``StepShapeFit``) predicts within (1 - latency_margin) of the SLO,
+        never less than ``min_prefill_tokens`` of prefill beside the running requests' decodes,
+        nor fewer requests than are running (at least one). Under a TTFT SLO, waiting requests
+        that have already missed it go behind the others first (``_defer_late``)."""
+        sched, s = self.scheduler, self.settings
+        budget, max_seqs = sched.config.max_num_batched_tokens, sched.config.max_num_seqs
+        if s.ttft_slo_s is not None and sched.waiting:
+            self._defer_late(now_s)
+        fit = self._fit
+        if fit is None:
+            return budget, max_seqs
+        a, b, c = fit
+        target_s = s.tpot_slo_s * (1.0 - s.latency_margin)
+        n = len(sched.running)
+        p_min = min(budget, s.min_prefill_tokens)
+        if b > 0:
+            prefill = (target_s - a - c * n) / b
+            budget = min(budget, n + max(p_min, int(prefill)))
+        if c > 0:
+            seqs = (target_s - a - b * p_min) / c
+            max_seqs = min(max_seqs, max(int(seqs), n, 1))
+        return budget, max_seqs
+
+    def _defer_late(self, now_s: float) -> None:
+        """Requests that waited past the TTFT SLO without a first token can no longer meet it:
+        they wait behind those that still can (FCFS within each group; requests already
+        started, i.e. preempted ones, stay in front). None is dropped: they are admitted as soon
+        as no on-time request waits. Arrivals join the queue in arrival order, so while nothing
+        has been deferred only the first request not yet started needs a look."""
+        waiting = self.scheduler.waiting
+        cutoff = now_s - self.settings.ttft_slo_s
+        if not self._deferring:
+            for r in waiting:
+                if r.first_token_s is None:
+                    if r.arrival_s >= cutoff:
+                        return  # the oldest is on time: so is everyone behind it
+                    break
+            else:
+                return
+        last = waiting[-1]
+        if last.first_token_s is None and last.arrival_s < cutoff:
+            # The newest has missed it too: every request not started has; order kept.
+            self._deferring = False
+            return
+        started, on_time, late = [], [], []
+        for r in waiting:
+            if r.first_token_s is not None:
+                started.append(r)
+            elif r.arrival_s < cutoff:
+                late.append(r)
+            else:
+                on_time.append(r)
+        self._deferring = bool(late)
+        if late:
+            waiting.clear()
+            waiting.extend(started)
+            waiting.extend(on_time)
+            waiting.extend(late)
 
     def _plan_ids(self, pinned: bool):
         plan = self._plan if pinned else self._plan_without_in_flight

@@ -14,6 +14,9 @@ Rules (``pagedweight`` only; ``paper-greedy`` stays verbatim):
   predicted within ``1 - latency_margin`` of the SLO, so that a plan made just under it does
   not flip back at the next wobble of the batch (hysteresis on speed, beside the watermarks
   on memory and the dwell time on each expert).
+
+``StepShapeFit`` learns the other half: how a step's time grows with its shape (prefill tokens,
+decodes), from the steps that ran, for the batch limits of ``Controller.step_limits``.
 """
 
 from __future__ import annotations
@@ -79,3 +82,68 @@ class WeightReadStepTime:
         if self._active is None:
             return 0.0
         return float(self.bytes_by_id[precision_ids[self._active]].sum()) / self.bandwidth_bytes_per_s
+
+
+class StepShapeFit:
+    """A step's seconds against its shape, learnt from the steps that ran (both runtimes time
+    every step, so both learn it alike): an exponentially weighted least-squares fit of
+
+        duration = a + b * prefill_tokens + c * decodes
+
+    over the last ~``1 / (1 - FORGET)`` steps, so that it follows precision changes and the
+    batch's KV growing. It says how many prefill tokens and how many running requests a step
+    may take within a time (``Controller.step_limits``). The runtime's step-time model cannot
+    say it: it prices precision maps on the last step's shape only.
+
+    The sums are kept in Python floats (nine multiply-adds a step); the 3 x 3 system is solved
+    only when asked (every plan). Features are scaled (thousands of prefill tokens, hundreds of
+    decodes) so that a small ridge keeps an unidentified coefficient near its last value
+    instead of letting it run off."""
+
+    FORGET = 0.99
+    RIDGE = 1e-3
+    MIN_STEPS = 16  # fewer steps seen: no fit
+
+    def __init__(self) -> None:
+        self._s = [0.0] * 6  # weighted sums of x x^T: 11 1p 1d pp pd dd
+        self._r = [0.0] * 3  # weighted sums of x y: 1 p d
+        self.num_steps = 0
+        self._coef = (0.0, 0.0, 0.0)  # the last fit, per step, per 1k prefill tokens, per 100 decodes
+
+    def observe(self, duration_s: float, prefill_tokens: int, decodes: int) -> None:
+        f = self.FORGET
+        p, d, y = prefill_tokens * 1e-3, decodes * 1e-2, duration_s
+        s, r = self._s, self._r
+        s[0] = f * s[0] + 1.0
+        s[1] = f * s[1] + p
+        s[2] = f * s[2] + d
+        s[3] = f * s[3] + p * p
+        s[4] = f * s[4] + p * d
+        s[5] = f * s[5] + d * d
+        r[0] = f * r[0] + y
+        r[1] = f * r[1] + p * y
+        r[2] = f * r[2] + d * y
+        self.num_steps += 1
+
+    def fit(self) -> tuple[float, float, float] | None:
+        """(a seconds, b seconds per prefill token, c seconds per decode), or None before
+        ``MIN_STEPS`` steps. Negative slopes (noise) count as 0."""
+        if self.num_steps < self.MIN_STEPS:
+            return None
+        s, r, lam = self._s, self._r, self.RIDGE
+        a = np.array([[s[0], s[1], s[2]], [s[1], s[3] + lam, s[4]], [s[2], s[4], s[5] + lam]])
+        prior = self._coef
+        rhs = np.array([r[0], r[1] + lam * prior[1], r[2] + lam * prior[2]])
+        try:
+            coef = np.linalg.solve(a, rhs)
+        except np.linalg.LinAlgError:
+            coef = np.array(prior)
+        if not np.isfinite(coef).all():
+            coef = np.array(prior)
+        self._coef = (float(coef[0]), max(0.0, float(coef[1])), max(0.0, float(coef[2])))
+        a0, b, c = self._coef
+        return a0, b * 1e-3, c * 1e-2
+
+    def predict_s(self, prefill_tokens: int, decodes: int) -> float:
+        a0, b, c = self._coef
+        return a0 + b * prefill_tokens * 1e-3 + c * decodes * 1e-2

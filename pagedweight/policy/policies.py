@@ -11,6 +11,7 @@
 | paper-greedy   | the paper's dynamic scheme: re-plan with ``paper-greedy`` on every KV change, |
 |                | on the paper's ladder (full, INT8, INT4: ``PAPER_LADDER``) unless configured  |
 | pagedweight    | per-precision losses, marginal knapsack, KV forecast, hysteresis, copy budget |
+|                | (under SLOs: fastest precision in a backlog, SLO-aware batches; controller)   |
 
 ``setup_policy`` says, for a policy, the precision every expert starts at, the lowest the
 policy will ever go (which bounds the KV a request can get), which controller runs and how the
