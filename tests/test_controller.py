@@ -499,3 +499,39 @@ def test_a_backlog_under_the_engines_weight_read_model_takes_the_fewest_bytes():
         step_with(core, clock, backend, duration)
     assert core.controller.backlog
     assert (pt.precision_ids == PRECISION_ID["int4"]).all()
+
+
+def test_the_step_fits_3x3_solve_agrees_with_lapack():
+    """``solve_symmetric3`` (the fit's solve in Python floats) against numpy's LU solve on
+    random symmetric positive definite systems, ill-conditioned ones included."""
+    from pagedweight.policy.latency_cap import solve_symmetric3
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        b = rng.normal(size=(3, 3)) * rng.uniform(0.01, 100)
+        a = b @ b.T + 1e-3 * np.eye(3)
+        rhs = rng.normal(size=3)
+        x = solve_symmetric3((a[0, 0], a[0, 1], a[0, 2], a[1, 1], a[1, 2], a[2, 2]), tuple(rhs))
+        np.testing.assert_allclose(x, np.linalg.solve(a, rhs), rtol=1e-7, atol=1e-12)
+    assert solve_symmetric3((1.0, 1.0, 1.0, 1.0, 1.0, 1.0), (1.0, 2.0, 3.0)) is None  # singular
+
+
+def test_step_shape_fit_learns_a_steps_time_from_its_shape():
+    """Steps timed a + b * prefill + c * decodes (with noise) give back a, b and c; before
+    ``MIN_STEPS`` steps there is no fit, and a later change of speed is followed."""
+    from pagedweight.policy.latency_cap import StepShapeFit
+
+    rng = np.random.default_rng(1)
+    fit = StepShapeFit()
+    for i in range(400):
+        if i == StepShapeFit.MIN_STEPS - 1:
+            assert fit.fit() is None
+        p, d = int(rng.integers(0, 2048)), int(rng.integers(1, 128))
+        fit.observe(0.010 + 2e-5 * p + 3e-4 * d + rng.normal(0, 1e-4), p, d)
+    a, b, c = fit.fit()
+    assert a == pytest.approx(0.010, rel=0.05) and b == pytest.approx(2e-5, rel=0.05)
+    assert c == pytest.approx(3e-4, rel=0.05)
+    for _ in range(600):  # twice as slow per decode: the forgetting fit follows
+        p, d = int(rng.integers(0, 2048)), int(rng.integers(1, 128))
+        fit.observe(0.010 + 2e-5 * p + 6e-4 * d, p, d)
+    assert fit.fit()[2] == pytest.approx(6e-4, rel=0.05)
