@@ -103,3 +103,43 @@ def test_bad_suites_are_one_clear_error(suite_dir, suite, message):
     (suite_dir / "bad.yaml").write_text(suite)
     with pytest.raises(BenchError, match=message):
         load_suite(suite_dir / "bad.yaml")
+
+
+def test_an_optional_cell_with_an_absent_file_is_skipped_by_name(suite_dir):
+    (suite_dir / "far.yaml").write_text(SCENARIO.replace("path: trace.jsonl", "path: ../nowhere/trace.jsonl"))
+    cells = "  - {name: tiny, scenario: tiny.yaml}\n  - {name: far, scenario: far.yaml, optional: true}\n"
+    (suite_dir / "opt.yaml").write_text(HEAD + "cells:\n" + cells + "loads: [1.0]\n")
+    suite = load_suite(suite_dir / "opt.yaml")
+    assert [c.name for c in suite.cells] == ["tiny"]
+    assert set(suite.absent) == {"far"} and "nowhere/trace.jsonl does not exist" in suite.absent["far"]
+    logs = []
+    run_bench(suite, suite_dir / "out", workers=1, log=logs.append)
+    assert any("cell far skipped" in line and "nowhere/trace.jsonl" in line for line in logs)
+    assert set(pd.read_csv(suite_dir / "out" / "bench.csv")["cell"]) == {"tiny"}
+    assert "- far: " in (suite_dir / "out" / "bench.md").read_text()
+    # Not optional: the suite does not load, and the error names the cell and the file.
+    (suite_dir / "req.yaml").write_text(HEAD + "cells:\n" + cells.replace(", optional: true", ""))
+    with pytest.raises(BenchError, match=r"cell far: .*nowhere/trace.jsonl does not exist"):
+        load_suite(suite_dir / "req.yaml")
+    (suite_dir / "none.yaml").write_text(HEAD + "cells: [{name: far, scenario: far.yaml, optional: true}]\n")
+    with pytest.raises(BenchError, match="every cell is optional and absent"):
+        load_suite(suite_dir / "none.yaml")
+
+
+def test_a_cell_can_run_a_subset_of_the_policies(suite_dir):
+    cells = "  - {name: tiny, scenario: tiny.yaml}\n  - {name: few, scenario: tiny.yaml, policies: [pagedweight]}\n"
+    sust = "sustainable: {min_good_fraction: 0.9, low: 0.5, high: 64.0, rounds: 1}\n"
+    (suite_dir / "sub.yaml").write_text(SUITE.split("cells:")[0] + "cells:\n" + cells + "loads: [1.0]\n" + sust)
+    run_bench(load_suite(suite_dir / "sub.yaml"), suite_dir / "out", workers=1, log=lambda _: None)
+    table = pd.read_csv(suite_dir / "out" / "bench.csv")
+    assert sorted(table[table["cell"] == "few"]["policy"]) == ["pagedweight"]
+    assert sorted(table[table["cell"] == "tiny"]["policy"]) == ["pagedweight", "static-int4"]
+    sust = pd.read_csv(suite_dir / "out" / "sustainable.csv")
+    assert sorted(zip(sust["cell"], sust["policy"], strict=True)) == [
+        ("few", "pagedweight"),
+        ("tiny", "pagedweight"),
+        ("tiny", "static-int4"),
+    ]
+    (suite_dir / "bad.yaml").write_text(HEAD + "cells: [{name: a, scenario: tiny.yaml, policies: [static-int4]}]\n")
+    with pytest.raises(BenchError, match=r"cell a: policies \['static-int4'\] are not among the suite's"):
+        load_suite(suite_dir / "bad.yaml")
