@@ -4,10 +4,14 @@ sustainable load, resuming, and the margins its tables and heat maps show."""
 from __future__ import annotations
 
 import json
+import math
+import os
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 from pwsim.bench import BenchError, load_suite, margins, run_bench
 
@@ -124,6 +128,41 @@ def test_an_optional_cell_with_an_absent_file_is_skipped_by_name(suite_dir):
     (suite_dir / "none.yaml").write_text(HEAD + "cells: [{name: far, scenario: far.yaml, optional: true}]\n")
     with pytest.raises(BenchError, match="every cell is optional and absent"):
         load_suite(suite_dir / "none.yaml")
+
+
+def test_the_default_suite_resolves_every_cell_at_every_load():
+    """scenarios/bench_default.yaml: every cell's scenario exists and takes its overrides at every
+    load the grid and the bisection can ask for (nothing runs). Cells reading the shared traces
+    beside the checkout are optional: absent, they are skipped, naming the file; where
+    $PAGEDWEIGHT_SHARED_TRACES (or ../shared/traces) has them, they are checked against it."""
+    from pagedweight.config.scenario import load_scenario
+
+    root = Path(__file__).resolve().parents[1]
+    suite = load_suite(root / "scenarios" / "bench_default.yaml")
+    spec = suite.spec
+    assert spec.set["workload.duration_s"] == 3600  # an hour of traffic per cell by default
+    optional = {c.name for c in spec.cells if c.optional}
+    assert set(suite.absent) <= optional
+    for cell, why in suite.absent.items():
+        assert "shared/traces" in why and "does not exist" in why, (cell, why)
+    s = spec.sustainable
+    loads = set(spec.loads) | ({s.low, s.high, math.sqrt(s.low * s.high)} if s else set())
+    for c in suite.cells:
+        for load in sorted(loads):
+            loaded = load_scenario(suite.scenarios[c.name], list(suite.probe(c.name, load, ("pagedweight",)).overrides))
+            assert loaded.scenario.workload.rate_scale == pytest.approx(suite.base_rate_scale[c.name] * load)
+    assert {"chat-100g", "multiturn-100g", "qwen3-chat-64g"} <= {c.name for c in suite.cells}
+    # The skipped cells, against the shared traces where $PAGEDWEIGHT_SHARED_TRACES points.
+    shared = Path(os.environ.get("PAGEDWEIGHT_SHARED_TRACES", root.parent / "shared" / "traces"))
+    for c in spec.cells:
+        scenario = root / "scenarios" / c.scenario
+        trace = shared / Path(yaml.safe_load(scenario.read_text())["workload"]["path"]).name
+        if c.name in suite.absent and trace.is_file():
+            sets = [f"{k}={json.dumps(v)}" for k, v in (*spec.set.items(), *c.set.items())]
+            for load in sorted(loads):
+                rate = yaml.safe_load(scenario.read_text())["workload"].get("rate_scale", 1.0) * load
+                extra = [f"workload.path={json.dumps(str(trace))}", f"workload.rate_scale={rate}"]
+                assert load_scenario(scenario, sets + extra).scenario.workload.kind == "trace"
 
 
 def test_a_cell_can_run_a_subset_of_the_policies(suite_dir):
