@@ -20,6 +20,10 @@ class ScenarioError(PagedWeightError):
     """A scenario file is malformed or asks for something impossible."""
 
 
+class MissingFileError(ScenarioError):
+    """A file a scenario names (its trace, lengths, latency or importance table) is not there."""
+
+
 class ConfigError(PagedWeightError, ValueError):
     """A setting outside its allowed values. A ``ValueError`` too, so that pydantic validators
     raising it report the field, and a CLI prints it without a traceback."""

@@ -9,12 +9,18 @@ A suite file (``scenarios/bench_*.yaml``)::
     cells:
       - {name: chat, scenario: chat.yaml}
       - {name: storm, scenario: storm.yaml, set: {memory.budget: 110 GiB}}
+      - {name: azure, scenario: bench/azure_conv.yaml, optional: true}
+      - {name: big, scenario: deepseek_v3_ep8.yaml, policies: [static-int4, pagedweight]}
     loads: [1.0, 2.0]                       # multiples of each cell's workload.rate_scale
     sustainable: {min_good_fraction: 0.9, low: 0.25, high: 4.0, rounds: 4}
 
 A load is *sustainable* for a policy when at least ``min_good_fraction`` of the requests meet
 the scenario's SLOs; the bisection (geometric, ``rounds`` steps between ``low`` and ``high``)
-runs one-policy probes. Every run is a sweep cell (``pwsim.sweep.run_cell``) in its own
+runs one-policy probes. An ``optional`` cell whose scenario names a file that is not there (a
+trace from the shared traces folder beside the checkout) is skipped, and the log and
+``bench.md`` say which file; a missing file of any other cell is an error. A cell's ``policies``
+(a subset of the suite's) limits the cell to those, where the others would cost too much to
+simulate; its margins are then over the best of those. Every run is a sweep cell (``pwsim.sweep.run_cell``) in its own
 directory named by its overrides, written under a temporary name and renamed when complete: a
 re-run skips finished runs, so the suite is resumable, and it runs on the same executor as
 ``pwsim sweep`` (local processes or Ray).
@@ -32,7 +38,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +47,7 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedweight.config.scenario import load_scenario
-from pagedweight.errors import PagedWeightError, ScenarioError, read_yaml_model
+from pagedweight.errors import MissingFileError, PagedWeightError, ScenarioError, read_yaml_model
 from pagedweight.results.report_data import policy_metrics, read_summary
 from pagedweight.results.writer import atomic_write_csv, atomic_write_text
 from pwsim.executor import Display, Job, auto_display, run_jobs
@@ -73,6 +79,10 @@ class CellSpec(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.+-]+$")
     scenario: str = Field(min_length=1)
     set: dict[str, Any] = {}
+    # Skipped (with a note naming the file) when a file its scenario names is absent.
+    optional: bool = False
+    # Only these of the suite's policies, in the grid and the bisection (None: all of them).
+    policies: list[str] | None = Field(default=None, min_length=1)
 
 
 class Sustainable(_Strict):
@@ -104,6 +114,10 @@ class SuiteSpec(_Strict):
             raise ValueError("cell names must be unique")
         if any(x <= 0 for x in self.loads):
             raise ValueError("loads must be > 0")
+        for c in self.cells:
+            extra = [p for p in c.policies or [] if p not in self.policies]
+            if extra:
+                raise ValueError(f"cell {c.name}: policies {extra} are not among the suite's {self.policies}")
         return self
 
 
@@ -130,6 +144,16 @@ class Suite:
     source: Path
     scenarios: dict[str, Path]  # cell name -> scenario file
     base_rate_scale: dict[str, float]  # cell name -> its workload.rate_scale
+    absent: dict[str, str] = field(default_factory=dict)  # optional cell skipped -> why
+
+    @property
+    def cells(self) -> list[CellSpec]:
+        """The cells that run (every cell but the absent optional ones)."""
+        return [c for c in self.spec.cells if c.name in self.scenarios]
+
+    def policies(self, cell: CellSpec) -> tuple[str, ...]:
+        """The cell's policies, in the suite's order."""
+        return tuple(p for p in self.spec.policies if cell.policies is None or p in cell.policies)
 
     def probe(self, cell: str, load: float, policies: tuple[str, ...]) -> Probe:
         spec = next(c for c in self.spec.cells if c.name == cell)
@@ -144,18 +168,24 @@ class Suite:
 
 
 def load_suite(path: str | Path) -> Suite:
-    """Read and check a suite; every cell is validated as a scenario before anything runs."""
+    """Read and check a suite; every cell is validated as a scenario before anything runs. An
+    optional cell whose scenario names an absent file is left out (``Suite.absent`` says why)."""
     path = Path(path)
     src = str(path)
     spec, raw = read_yaml_model(path, SuiteSpec, BenchError, "suite file")
-    scenarios, rates = {}, {}
+    scenarios, rates, absent = {}, {}, {}
     for cell in spec.cells:
         scenario = Path(cell.scenario)
         scenario = scenario if scenario.is_absolute() else (path.parent / scenario).resolve()
         sets = [_override(k, v) for k, v in (*spec.set.items(), *cell.set.items())]
-        sets.append(_override("policies", spec.policies))
+        sets.append(_override("policies", cell.policies or spec.policies))
         try:
             loaded = load_scenario(scenario, sets)
+        except MissingFileError as e:
+            if not cell.optional:
+                raise BenchError(f"{src}: cell {cell.name}: {e}") from None
+            absent[cell.name] = str(e)
+            continue
         except ScenarioError as e:
             raise BenchError(f"{src}: cell {cell.name}: {e}") from None
         rate = getattr(loaded.scenario.workload, "rate_scale", None)
@@ -165,7 +195,9 @@ def load_suite(path: str | Path) -> Suite:
                 "the bench scales load through workload.rate_scale (trace workloads)"
             )
         scenarios[cell.name], rates[cell.name] = scenario, float(rate)
-    return Suite(spec, path, scenarios, rates)
+    if not scenarios:
+        raise BenchError(f"{src}: every cell is optional and absent: " + "; ".join(absent.values()))
+    return Suite(spec, path, scenarios, rates, absent)
 
 
 def good_fraction(summary_entry: dict) -> float:
@@ -237,8 +269,10 @@ def run_bench(
     spec = suite.spec
     runner = _Runner(out_dir, executor, workers, address, log, display)
     policies = tuple(spec.policies)
-    grid = [suite.probe(c.name, load, policies) for c in spec.cells for load in spec.loads]
-    log(f"{spec.name}: {len(spec.cells)} cells x {len(spec.loads)} loads x {len(policies)} policies")
+    grid = [suite.probe(c.name, load, suite.policies(c)) for c in suite.cells for load in spec.loads]
+    for cell, why in suite.absent.items():
+        log(f"{spec.name}: cell {cell} skipped (optional, a file is absent): {why}")
+    log(f"{spec.name}: {len(suite.cells)} cells x {len(spec.loads)} loads x {len(policies)} policies")
     runner.run(grid)
     rows = []
     for probe in grid:
@@ -254,9 +288,10 @@ def run_bench(
     atomic_write_csv(table, out_dir / "bench.csv")
     if len(sustainable):
         atomic_write_csv(sustainable, out_dir / "sustainable.csv")
-    md = bench_markdown(spec, table, sustainable)
+    md = bench_markdown(spec, table, sustainable, suite.absent)
     atomic_write_text(out_dir / "bench.md", md)
     meta = {"name": spec.name, "description": spec.description, "suite_file": str(suite.source)}
+    meta["skipped_cells"] = suite.absent
     atomic_write_text(out_dir / "bench.json", json.dumps(meta | {"spec": spec.model_dump()}, indent=2) + "\n")
     write_bench_report(spec, table, sustainable, out_dir / "report.html")
     return {"ran": runner.ran, "skipped": runner.skipped, "table": table, "sustainable": sustainable}
@@ -267,7 +302,7 @@ def _bisect(suite: Suite, runner: _Runner, log) -> pd.DataFrame:
     then halve the bracket (geometrically) ``rounds`` times, every pair's probe of a round run
     at once."""
     s = suite.spec.sustainable
-    pairs = [(c.name, p) for c in suite.spec.cells for p in suite.spec.policies]
+    pairs = [(c.name, p) for c in suite.cells for p in suite.policies(c)]
 
     def ok(cell: str, policy: str, load: float) -> bool:
         entry = runner.summary(suite.probe(cell, load, (policy,)))["policies"][policy]
@@ -327,8 +362,13 @@ def _md_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def bench_markdown(spec: SuiteSpec, table: pd.DataFrame, sustainable: pd.DataFrame) -> str:
+def bench_markdown(
+    spec: SuiteSpec, table: pd.DataFrame, sustainable: pd.DataFrame, absent: dict[str, str] | None = None
+) -> str:
     parts = [f"# {spec.name}", "", spec.description, ""]
+    if absent:
+        parts += ["Skipped (optional cells whose files are absent):", ""]
+        parts += [f"- {cell}: {why}" for cell, why in absent.items()] + [""]
     view = table.copy()
     view["goodput_margin"] = np.nan
     for (_cell, _load), g in view.groupby(["cell", "load"], sort=False):
@@ -376,10 +416,11 @@ def write_bench_report(spec: SuiteSpec, table: pd.DataFrame, sustainable: pd.Dat
     rows = {}
     for (cell, load), g in table.groupby(["cell", "load"], sort=False):
         rows[f"{cell} x{load:g}"] = margins(g.set_index("policy")["request_goodput"])
-    heat(pd.DataFrame(rows).T[list(spec.policies)] if rows else pd.DataFrame(), "Goodput margin", "goodput_margin.png")
+    cols = list(spec.policies)
+    heat(pd.DataFrame(rows).T.reindex(columns=cols) if rows else pd.DataFrame(), "Goodput margin", "goodput_margin.png")
     if len(sustainable):
         rows = {c: margins(g.set_index("policy")["max_load"]) for c, g in sustainable.groupby("cell", sort=False)}
-        heat(pd.DataFrame(rows).T[list(spec.policies)], "Largest sustainable load margin", "sustainable_margin.png")
+        heat(pd.DataFrame(rows).T.reindex(columns=cols), "Largest sustainable load margin", "sustainable_margin.png")
     body = [
         f"<h1>{html.escape(spec.name)}</h1><p class='facts'>{html.escape(spec.description)}</p>",
         *figs,

@@ -4,10 +4,14 @@ sustainable load, resuming, and the margins its tables and heat maps show."""
 from __future__ import annotations
 
 import json
+import math
+import os
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 from pwsim.bench import BenchError, load_suite, margins, run_bench
 
@@ -102,4 +106,79 @@ def test_bad_suites_are_one_clear_error(suite_dir, suite, message):
     )
     (suite_dir / "bad.yaml").write_text(suite)
     with pytest.raises(BenchError, match=message):
+        load_suite(suite_dir / "bad.yaml")
+
+
+def test_an_optional_cell_with_an_absent_file_is_skipped_by_name(suite_dir):
+    (suite_dir / "far.yaml").write_text(SCENARIO.replace("path: trace.jsonl", "path: ../nowhere/trace.jsonl"))
+    cells = "  - {name: tiny, scenario: tiny.yaml}\n  - {name: far, scenario: far.yaml, optional: true}\n"
+    (suite_dir / "opt.yaml").write_text(HEAD + "cells:\n" + cells + "loads: [1.0]\n")
+    suite = load_suite(suite_dir / "opt.yaml")
+    assert [c.name for c in suite.cells] == ["tiny"]
+    assert set(suite.absent) == {"far"} and "nowhere/trace.jsonl does not exist" in suite.absent["far"]
+    logs = []
+    run_bench(suite, suite_dir / "out", workers=1, log=logs.append)
+    assert any("cell far skipped" in line and "nowhere/trace.jsonl" in line for line in logs)
+    assert set(pd.read_csv(suite_dir / "out" / "bench.csv")["cell"]) == {"tiny"}
+    assert "- far: " in (suite_dir / "out" / "bench.md").read_text()
+    # Not optional: the suite does not load, and the error names the cell and the file.
+    (suite_dir / "req.yaml").write_text(HEAD + "cells:\n" + cells.replace(", optional: true", ""))
+    with pytest.raises(BenchError, match=r"cell far: .*nowhere/trace.jsonl does not exist"):
+        load_suite(suite_dir / "req.yaml")
+    (suite_dir / "none.yaml").write_text(HEAD + "cells: [{name: far, scenario: far.yaml, optional: true}]\n")
+    with pytest.raises(BenchError, match="every cell is optional and absent"):
+        load_suite(suite_dir / "none.yaml")
+
+
+def test_the_default_suite_resolves_every_cell_at_every_load():
+    """scenarios/bench_default.yaml: every cell's scenario exists and takes its overrides at every
+    load the grid and the bisection can ask for (nothing runs). Cells reading the shared traces
+    beside the checkout are optional: absent, they are skipped, naming the file; where
+    $PAGEDWEIGHT_SHARED_TRACES (or ../shared/traces) has them, they are checked against it."""
+    from pagedweight.config.scenario import load_scenario
+
+    root = Path(__file__).resolve().parents[1]
+    suite = load_suite(root / "scenarios" / "bench_default.yaml")
+    spec = suite.spec
+    assert spec.set["workload.duration_s"] == 3600  # an hour of traffic per cell by default
+    optional = {c.name for c in spec.cells if c.optional}
+    assert set(suite.absent) <= optional
+    for cell, why in suite.absent.items():
+        assert "shared/traces" in why and "does not exist" in why, (cell, why)
+    s = spec.sustainable
+    loads = set(spec.loads) | ({s.low, s.high, math.sqrt(s.low * s.high)} if s else set())
+    for c in suite.cells:
+        for load in sorted(loads):
+            loaded = load_scenario(suite.scenarios[c.name], list(suite.probe(c.name, load, ("pagedweight",)).overrides))
+            assert loaded.scenario.workload.rate_scale == pytest.approx(suite.base_rate_scale[c.name] * load)
+    assert {"chat-100g", "multiturn-100g", "qwen3-chat-64g"} <= {c.name for c in suite.cells}
+    # The skipped cells, against the shared traces where $PAGEDWEIGHT_SHARED_TRACES points.
+    shared = Path(os.environ.get("PAGEDWEIGHT_SHARED_TRACES", root.parent / "shared" / "traces"))
+    for c in spec.cells:
+        scenario = root / "scenarios" / c.scenario
+        trace = shared / Path(yaml.safe_load(scenario.read_text())["workload"]["path"]).name
+        if c.name in suite.absent and trace.is_file():
+            sets = [f"{k}={json.dumps(v)}" for k, v in (*spec.set.items(), *c.set.items())]
+            for load in sorted(loads):
+                rate = yaml.safe_load(scenario.read_text())["workload"].get("rate_scale", 1.0) * load
+                extra = [f"workload.path={json.dumps(str(trace))}", f"workload.rate_scale={rate}"]
+                assert load_scenario(scenario, sets + extra).scenario.workload.kind == "trace"
+
+
+def test_a_cell_can_run_a_subset_of_the_policies(suite_dir):
+    cells = "  - {name: tiny, scenario: tiny.yaml}\n  - {name: few, scenario: tiny.yaml, policies: [pagedweight]}\n"
+    sust = "sustainable: {min_good_fraction: 0.9, low: 0.5, high: 64.0, rounds: 1}\n"
+    (suite_dir / "sub.yaml").write_text(SUITE.split("cells:")[0] + "cells:\n" + cells + "loads: [1.0]\n" + sust)
+    run_bench(load_suite(suite_dir / "sub.yaml"), suite_dir / "out", workers=1, log=lambda _: None)
+    table = pd.read_csv(suite_dir / "out" / "bench.csv")
+    assert sorted(table[table["cell"] == "few"]["policy"]) == ["pagedweight"]
+    assert sorted(table[table["cell"] == "tiny"]["policy"]) == ["pagedweight", "static-int4"]
+    sust = pd.read_csv(suite_dir / "out" / "sustainable.csv")
+    assert sorted(zip(sust["cell"], sust["policy"], strict=True)) == [
+        ("few", "pagedweight"),
+        ("tiny", "pagedweight"),
+        ("tiny", "static-int4"),
+    ]
+    (suite_dir / "bad.yaml").write_text(HEAD + "cells: [{name: a, scenario: tiny.yaml, policies: [static-int4]}]\n")
+    with pytest.raises(BenchError, match=r"cell a: policies \['static-int4'\] are not among the suite's"):
         load_suite(suite_dir / "bad.yaml")

@@ -527,6 +527,16 @@ def test_shipped_traces_regenerate_exactly(kind, tmp_path):
     assert (tmp_path / "t.jsonl").read_bytes() == shipped.read_bytes()
 
 
+@pytest.mark.parametrize("kind", [*sorted(SYNTH_PRESETS), "multiturn"])
+def test_hour_long_bench_traces_regenerate_exactly(kind, tmp_path):
+    """traces/bench/KIND_1h.jsonl (the default scoreboard suite's hour of each shipped trace) is
+    `pwsim trace synth --kind KIND --seed 1 --duration-s 3600`, as traces/README.md says."""
+    shipped = ROOT / "traces" / "bench" / f"{kind}_1h.jsonl"
+    write_jsonl(synthesize(kind, seed=1, duration_s=3600), tmp_path / "t.jsonl")
+    assert (tmp_path / "t.jsonl").read_bytes() == shipped.read_bytes()
+    assert trace_stats(load_mooncake(shipped))["span_s"] == pytest.approx(3600, abs=2)
+
+
 def test_shipped_traces_have_the_advertised_shape():
     longctx = trace_stats(load_mooncake(ROOT / "traces" / "longctx.jsonl"))
     assert 8000 <= longctx["prompt_tokens"]["mean"] <= 12000 and 1.0 <= longctx["rate_qps"] <= 2.0

@@ -34,7 +34,14 @@ from pagedweight.core.pool import DEFAULT_PAGE_BYTES
 from pagedweight.core.runtime import CoreConfig
 from pagedweight.core.scheduler import SchedulerConfig
 from pagedweight.core.spec import PRECISION_ID, PRECISIONS, ModelSpec, get_precision, ladder, load_gpu, load_model
-from pagedweight.errors import ConfigError, PagedWeightError, ScenarioError, format_validation_error, read_yaml_mapping
+from pagedweight.errors import (
+    ConfigError,
+    MissingFileError,
+    PagedWeightError,
+    ScenarioError,
+    format_validation_error,
+    read_yaml_mapping,
+)
 from pagedweight.policy.controller import ControllerSettings
 from pagedweight.policy.policies import POLICY_NAMES
 
@@ -427,7 +434,9 @@ def check(scenario: Scenario, source: Path, require_latency_table: bool = True) 
         files.append(("importance.path", scenario.importance.resolved_path(base)))
     for key, p in files:
         if not p.is_file():
-            raise fail(key, f"file {p} does not exist (relative paths are resolved against {base})")
+            raise MissingFileError(
+                f"{src}: {key}: file {p} does not exist (relative paths are resolved against {base})"
+            )
     return loaded
 
 
