@@ -241,6 +241,15 @@ class Engine:
         # Under expert parallelism, how this rank agrees with the others on requests, batches and
         # tokens (``pwgpu.ep_agree.attach``); None in one process.
         self.agreement = None
+        # Preemption by swap (kv-swap): the KV of each request preempted by swap, copied to host
+        # memory as the scheduler preempts it (before its freed blocks can be reused), until it
+        # resumes in new blocks: request id -> (host copy, tokens). Every expert-parallel rank
+        # swaps its own KV: its scheduler replays rank 0's preemptions through the same hook.
+        self._swapped: dict[int, tuple[torch.Tensor, int]] = {}
+        self._swap_bytes = 0  # KV bytes copied either way since the last step's record
+        self.swap_in_bytes = 0  # host -> device KV bytes, counted with the upgrades' copies
+        if self.core.scheduler.config.preemption_mode == "swap":
+            self.core.scheduler.swap_out_hook = self._swap_out
 
     def now(self) -> float:
         """Seconds on the engine's clock (by default since it started): the clock of every
@@ -292,6 +301,7 @@ class Engine:
         if er.req.state in (FINISHED, REJECTED):
             return
         self.core.scheduler.abort(er.req, self.now(), reason)
+        self._swapped.pop(er.req.request_id, None)  # a swapped-out request's host copy
         er.finish_reason = "abort"
         self._by_req.pop(er.req.request_id, None)
         if self.agreement is not None:
@@ -301,6 +311,7 @@ class Engine:
     def refuse(self, er: EngineRequest, reason: str) -> None:
         """Reject a queued request after all (another expert-parallel rank cannot hold it)."""
         self.core.scheduler.abort(er.req, self.now(), reason)
+        self._swapped.pop(er.req.request_id, None)
         er.finish_reason = "rejected"
         self._by_req.pop(er.req.request_id, None)
         self._emit(er, [], True)
@@ -360,7 +371,10 @@ class Engine:
         self.store.refresh()
         batch = step.batch
         ids, seqs, last_rows, ers = [], [], [], []
+        swapped = self._swapped
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            if swapped and req.request_id in swapped:
+                self._swap_in(req)
             er = self._by_req[req.request_id]
             start, prompt = req.num_computed_tokens, er.prompt_ids
             # The new tokens, without copying the whole context: prompt first, then outputs.
@@ -397,7 +411,35 @@ class Engine:
         counts_host = counts.cpu().numpy()  # the step's one copy of the counts to the host
         step.observe_routing(counts_host if self.ep is None else self.ep.local_counts(counts_host))
         self.clock.step_done(step.start_s)
-        return Executed()
+        moved, self._swap_bytes = self._swap_bytes, 0
+        return Executed(bytes_swapped=moved)
+
+    @property
+    def h2d_bytes(self) -> int:
+        """Bytes copied host -> device: upgrades from the host masters and swapped-in KV (as the
+        simulator counts them)."""
+        return self.store.h2d_bytes + self.swap_in_bytes
+
+    def _swap_out(self, req: Request) -> None:
+        """The scheduler preempts ``req`` by swap (``Scheduler.swap_out_hook``): copy the KV of
+        its computed tokens to host memory while it still holds its blocks. On CUDA the copy is
+        queued on the current stream, ahead of anything that later writes those blocks."""
+        tokens = req.num_computed_tokens
+        if tokens:
+            self._swapped[req.request_id] = (self.kv_cache.copy_out(req.block_ids, tokens), tokens)
+            self._swap_bytes += tokens * self.kv_cache.token_bytes
+
+    def _swap_in(self, req: Request) -> None:
+        """``req`` resumes after a swap: its host copy into its new blocks, before the forward."""
+        host, tokens = self._swapped.pop(req.request_id)
+        if req.num_computed_tokens != tokens:
+            raise PagedWeightError(
+                f"request {req.request_id} resumes at token {req.num_computed_tokens}; {tokens} were swapped out"
+            )
+        self.kv_cache.copy_in(host, req.block_ids, tokens)
+        moved = tokens * self.kv_cache.token_bytes
+        self._swap_bytes += moved
+        self.swap_in_bytes += moved
 
     def _emit(self, er: EngineRequest, new_ids: list[int], finished: bool) -> None:
         if er.on_event is not None:
@@ -453,6 +495,6 @@ class Engine:
                          f"steps ({window})")  # fmt: skip
         trace = trace or {"source": "live requests", "num_requests": len(reqs), "notes": notes}
         writer = ResultsWriter(Path(out_dir), self.results_meta(scenario, trace))
-        summary = policy_summary(reqs, self.core, Slo(), self.now(), self.store.h2d_bytes)
+        summary = policy_summary(reqs, self.core, Slo(), self.now(), self.h2d_bytes)
         writer.add(self.cfg.policy, reqs, self.core, summary)
         return writer.write()

@@ -200,6 +200,9 @@ class Batch:
 PressureHook = Callable[[int], None]
 # A step limits hook gets the step's start time and returns (token budget, most running requests).
 StepLimits = Callable[[float], tuple[int, int]]
+# A swap-out hook gets a request being preempted by swap while it still holds its blocks, with
+# ``num_computed_tokens`` of KV in them: a runtime that holds real KV copies it out there.
+SwapOutHook = Callable[[Request], None]
 
 
 class Scheduler:
@@ -223,6 +226,10 @@ class Scheduler:
         # ``max_num_seqs``) and may reorder ``waiting``. None: the configured limits, FCFS. The
         # pagedweight controller sets it (``Controller.step_limits``: SLO-aware batches).
         self.step_limits: StepLimits | None = None
+        # Swap-out hook (swap mode): called in ``_preempt`` before the victim's blocks are freed,
+        # which the same ``schedule`` may hand to another request or, through the pressure
+        # hook's downgrades, to expert weights. The engine copies the KV to host memory there.
+        self.swap_out_hook: SwapOutHook | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -286,6 +293,8 @@ class Scheduler:
             self.running.remove(req)
         req.preempted_at_s.append(now_s)
         if self.config.preemption_mode == "swap":
+            if self.swap_out_hook is not None:
+                self.swap_out_hook(req)
             req.swapped_tokens = req.num_computed_tokens
             batch.swapped_out_tokens += req.num_computed_tokens
         if req.prefix_private and not req.num_preemptions and req.block_hashes:
