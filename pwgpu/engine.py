@@ -55,24 +55,40 @@ class EngineConfig:
     # Memory bandwidth for pagedweight's step-time model under a TPOT SLO (weights read per
     # step); default: the built-in spec of the device (device_memory_bandwidth).
     memory_bandwidth_bytes_per_s: float | None = None
+    # Host <-> device copy bandwidth (pinned), which prices a swap against a recompute under
+    # pagedweight's kv_offload; default: the built-in spec of the device (device_h2d_bandwidth).
+    h2d_bandwidth_bytes_per_s: float | None = None
 
 
 # Built-in GPU specs by a word of the CUDA device's name (pagedweight/data/gpus).
 _GPU_SPEC_OF_NAME = (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb"), ("l40s", "l40s"))
 
 
-def device_memory_bandwidth(device: torch.device) -> float | None:
-    """The memory bandwidth of ``device`` from its built-in spec (``cpu`` for a CPU), or None
-    for a GPU without one (then pagedweight weighs memory only, as before)."""
+def _device_spec(device: torch.device):
+    """The built-in ``GpuSpec`` of ``device`` (``cpu`` for a CPU), or None for a GPU without one."""
     from pagedweight.core.spec import load_gpu
 
     if device.type == "cpu":
-        return load_gpu("cpu").hbm_bandwidth_bytes_per_s
+        return load_gpu("cpu")
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device).lower()
     spec = next((s for word, s in _GPU_SPEC_OF_NAME if word in name), None)
-    return None if spec is None else load_gpu(spec).hbm_bandwidth_bytes_per_s
+    return None if spec is None else load_gpu(spec)
+
+
+def device_memory_bandwidth(device: torch.device) -> float | None:
+    """The memory bandwidth of ``device`` from its built-in spec (``cpu`` for a CPU), or None
+    for a GPU without one (then pagedweight weighs memory only, as before)."""
+    spec = _device_spec(device)
+    return None if spec is None else spec.hbm_bandwidth_bytes_per_s
+
+
+def device_h2d_bandwidth(device: torch.device) -> float | None:
+    """The pinned host-to-device copy bandwidth of ``device`` from its built-in spec, or None
+    for a GPU without one (then kv_offload never swaps)."""
+    spec = _device_spec(device)
+    return None if spec is None else spec.h2d_bandwidth_bytes_per_s
 
 
 def _check_ladder_top(table: ImportanceTable, master_precision: str, model_dir: Path) -> None:
@@ -213,6 +229,9 @@ class Engine:
         bandwidth = cfg.memory_bandwidth_bytes_per_s or device_memory_bandwidth(self.device)
         if bandwidth:  # speed in pagedweight's objective, as the simulator's latency model gives it
             self.core.use_weight_read_model(bandwidth)
+        h2d = cfg.h2d_bandwidth_bytes_per_s or device_h2d_bandwidth(self.device)
+        if h2d:  # what a swap's copies cost (kv_offload), as the simulator's latency model times them
+            self.core.set_copy_time_model(lambda num_bytes: num_bytes / h2d)
         pinned = self.store.attach(self.core, pinned_weights(ckpt, self.dtype, torch.device("cpu")))
         del ckpt
         experts = self.store
@@ -248,7 +267,7 @@ class Engine:
         self._swapped: dict[int, tuple[torch.Tensor, int]] = {}
         self._swap_bytes = 0  # KV bytes copied either way since the last step's record
         self.swap_in_bytes = 0  # host -> device KV bytes, counted with the upgrades' copies
-        if self.core.scheduler.config.preemption_mode == "swap":
+        if self.core.scheduler.config.preemption_mode in ("swap", "cost"):
             self.core.scheduler.swap_out_hook = self._swap_out
 
     def now(self) -> float:

@@ -8,6 +8,7 @@ import pytest
 from pagedweight.core.pool import OWNER_KV
 from pagedweight.core.runtime import CoreConfig
 from pagedweight.core.scheduler import FINISHED, SchedulerConfig
+from pagedweight.policy.controller import ControllerSettings
 from pwgpu.engine import Engine, EngineConfig
 from pwgpu.sampling import SamplingParams
 
@@ -21,7 +22,7 @@ def greedy(max_tokens):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def engine(path, policy, kv_pages=None, sched=GREEDY_ADMISSION):
+def engine(path, policy, kv_pages=None, sched=GREEDY_ADMISSION, controller=None, **engine_cfg):
     """An engine on ``path`` whose pool holds the pinned weights and full-precision experts and
     ``kv_pages`` pages more (None: room to spare)."""
     budget = 64 << 20
@@ -30,8 +31,9 @@ def engine(path, policy, kv_pages=None, sched=GREEDY_ADMISSION):
         usage = probe.core.pool.usage()
         del probe
         budget = (usage["pinned"] + usage["weight:bf16"] + kv_pages) * PAGE_BYTES
-    core = CoreConfig(budget_bytes=budget, page_bytes=PAGE_BYTES, scheduler=sched)
-    return Engine(path, EngineConfig(core, policy=policy))
+    controller = controller or ControllerSettings()
+    core = CoreConfig(budget_bytes=budget, page_bytes=PAGE_BYTES, scheduler=sched, controller=controller)
+    return Engine(path, EngineConfig(core, policy=policy, **engine_cfg))
 
 
 def prompts(vocab: int, n: int = 5, length: int = 40) -> list[list[int]]:
@@ -94,3 +96,23 @@ def test_abort_while_swapped_out_drops_its_host_copy(checkpoints):
     for er, tokens in zip(ers, want, strict=True):
         if er is not victim:
             assert er.req.state is FINISHED and er.output_ids == tokens
+
+
+@pytest.mark.parametrize("h2d", [None, 1.0], ids=["device-spec", "copies-too-slow"])
+def test_pagedweight_offloads_kv_when_copies_are_cheaper(checkpoints, h2d):
+    """pagedweight with kv_offload under the same pressure (the tiny model's experts take a page
+    whatever their precision, so downgrades free nothing and it must preempt): at the CPU
+    spec's copy bandwidth (10 GB/s) its victims' copies cost less than their recompute and it
+    swaps; at 1 B/s it recomputes. Either way the tokens are those without preemption."""
+    path, _ = checkpoints["mixtral"]
+    ps = prompts(96, n=6, length=60)
+    want = [er.output_ids for er in run(engine(path, "static-fp16"), ps)]
+    offload = ControllerSettings(kv_offload=True)
+    # 3 pages more: the headroom a dynamic policy keeps for one downgrade's new pages.
+    eng = engine(path, "pagedweight", kv_pages=13, controller=offload, h2d_bandwidth_bytes_per_s=h2d)
+    assert eng.core.scheduler.config.preemption_mode == "cost"
+    ers = run(eng, ps, check=True)
+    assert sum(er.req.num_preemptions for er in ers) > 0, "the run must preempt"
+    assert [er.output_ids for er in ers] == want
+    swapped = int(eng.core.steps.columns()["bytes_swapped"].sum())
+    assert (swapped > 0) == (h2d is None) and not eng._swapped
