@@ -5,8 +5,9 @@ chunks, oldest first), then admits waiting requests FCFS, within a token budget
 (``max_num_batched_tokens``) and ``max_num_seqs``, and by default only when their forecast KV
 demand fits beside the running requests' (``admission``; docs/DESIGN.md). Prefill is chunked
 to what the budget leaves. When KV blocks run out it first calls the memory-pressure hook (the
-precision controller downgrades experts there, freeing pages) and only then preempts by
-recompute, newest first. ``finish_step(batch, end_s)`` appends the sampled tokens and releases finished
+precision controller downgrades experts there, freeing pages) and only then preempts,
+newest first: by recompute, by swap (``kv-swap``), or per victim (``cost``: pagedweight's
+``kv_offload``). ``finish_step(batch, end_s)`` appends the sampled tokens and releases finished
 requests.
 
 Token model (as in vLLM): a request holds ``prompt + num_output_tokens`` tokens, of which
