@@ -123,6 +123,56 @@ class PagedKvCache:
         page, slot = block_table // self.blocks_per_page, block_table % self.blocks_per_page
         return self.view[page, slot, layer, part].reshape(shape)  # [B, M, T_blk, Hkv, D] -> [B, C, Hkv, D]
 
+    # ---- swap: a request's KV out to host memory and back into other blocks ------------------
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's KV over every layer (K and V, or MLA's latent)."""
+        return self.block_bytes // self.block_tokens
+
+    def _block(self, block: int) -> torch.Tensor:
+        """Block ``block`` as a view [L, parts, T_blk, Hkv, D]."""
+        if self.blocks is not None:
+            return self.blocks[block]
+        return self.view[block // self.blocks_per_page, block % self.blocks_per_page]
+
+    def _index(self, block_ids: list[int]) -> tuple[torch.Tensor, ...]:
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.arena.device)
+        if self.blocks is not None:
+            return (idx,)
+        return idx // self.blocks_per_page, idx % self.blocks_per_page
+
+    def copy_out(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """The KV of the first ``num_tokens`` tokens held in ``block_ids`` (every layer and part)
+        copied to a new host tensor [blocks, L, parts, T_blk, Hkv, D] (pinned when the cache is
+        on CUDA, the copy asynchronous on the current stream); the slots of the last block past
+        ``num_tokens`` are left unset. ``copy_in`` puts it back."""
+        full, rest = divmod(num_tokens, self.block_tokens)
+        n = full + (rest > 0)
+        if n > len(block_ids):
+            raise ValueError(f"{num_tokens} tokens need {n} KV blocks; {len(block_ids)} given")
+        shape = (n, self.num_layers, self.num_parts, self.block_tokens, self.num_kv_heads, self.head_dim)
+        cuda = self.arena.is_cuda
+        host = torch.empty(shape, dtype=self.dtype, pin_memory=cuda)
+        view = self.blocks if self.blocks is not None else self.view
+        if full:
+            host[:full].copy_(view[self._index(block_ids[:full])], non_blocking=cuda)
+        if rest:
+            host[full, :, :, :rest].copy_(self._block(block_ids[full])[:, :, :rest], non_blocking=cuda)
+        return host
+
+    def copy_in(self, host: torch.Tensor, block_ids: list[int], num_tokens: int) -> None:
+        """The first ``num_tokens`` tokens of ``host`` (from ``copy_out``) into ``block_ids``,
+        which may be other blocks than those it was copied from."""
+        full, rest = divmod(num_tokens, self.block_tokens)
+        if full + (rest > 0) > min(len(block_ids), host.shape[0]):
+            raise ValueError(f"{num_tokens} tokens do not fit {len(block_ids)} KV blocks / {host.shape[0]} copied")
+        cuda = self.arena.is_cuda
+        view = self.blocks if self.blocks is not None else self.view
+        if full:
+            view[self._index(block_ids[:full])] = host[:full].to(self.arena.device, non_blocking=cuda)
+        if rest:
+            self._block(block_ids[full])[:, :, :rest].copy_(host[full, :, :, :rest], non_blocking=cuda)
+
     def block_offsets(self, layer: int, block_table: torch.Tensor) -> torch.Tensor:
         """Element offset of each block's layer-``layer`` K section in the typed arena: [B, M]."""
         elem = self.view.element_size()

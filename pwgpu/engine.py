@@ -55,24 +55,40 @@ class EngineConfig:
     # Memory bandwidth for pagedweight's step-time model under a TPOT SLO (weights read per
     # step); default: the built-in spec of the device (device_memory_bandwidth).
     memory_bandwidth_bytes_per_s: float | None = None
+    # Host <-> device copy bandwidth (pinned), which prices a swap against a recompute under
+    # pagedweight's kv_offload; default: the built-in spec of the device (device_h2d_bandwidth).
+    h2d_bandwidth_bytes_per_s: float | None = None
 
 
 # Built-in GPU specs by a word of the CUDA device's name (pagedweight/data/gpus).
 _GPU_SPEC_OF_NAME = (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb"), ("l40s", "l40s"))
 
 
-def device_memory_bandwidth(device: torch.device) -> float | None:
-    """The memory bandwidth of ``device`` from its built-in spec (``cpu`` for a CPU), or None
-    for a GPU without one (then pagedweight weighs memory only, as before)."""
+def _device_spec(device: torch.device):
+    """The built-in ``GpuSpec`` of ``device`` (``cpu`` for a CPU), or None for a GPU without one."""
     from pagedweight.core.spec import load_gpu
 
     if device.type == "cpu":
-        return load_gpu("cpu").hbm_bandwidth_bytes_per_s
+        return load_gpu("cpu")
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device).lower()
     spec = next((s for word, s in _GPU_SPEC_OF_NAME if word in name), None)
-    return None if spec is None else load_gpu(spec).hbm_bandwidth_bytes_per_s
+    return None if spec is None else load_gpu(spec)
+
+
+def device_memory_bandwidth(device: torch.device) -> float | None:
+    """The memory bandwidth of ``device`` from its built-in spec (``cpu`` for a CPU), or None
+    for a GPU without one (then pagedweight weighs memory only, as before)."""
+    spec = _device_spec(device)
+    return None if spec is None else spec.hbm_bandwidth_bytes_per_s
+
+
+def device_h2d_bandwidth(device: torch.device) -> float | None:
+    """The pinned host-to-device copy bandwidth of ``device`` from its built-in spec, or None
+    for a GPU without one (then kv_offload never swaps)."""
+    spec = _device_spec(device)
+    return None if spec is None else spec.h2d_bandwidth_bytes_per_s
 
 
 def _check_ladder_top(table: ImportanceTable, master_precision: str, model_dir: Path) -> None:
@@ -213,6 +229,9 @@ class Engine:
         bandwidth = cfg.memory_bandwidth_bytes_per_s or device_memory_bandwidth(self.device)
         if bandwidth:  # speed in pagedweight's objective, as the simulator's latency model gives it
             self.core.use_weight_read_model(bandwidth)
+        h2d = cfg.h2d_bandwidth_bytes_per_s or device_h2d_bandwidth(self.device)
+        if h2d:  # what a swap's copies cost (kv_offload), as the simulator's latency model times them
+            self.core.set_copy_time_model(lambda num_bytes: num_bytes / h2d)
         pinned = self.store.attach(self.core, pinned_weights(ckpt, self.dtype, torch.device("cpu")))
         del ckpt
         experts = self.store
@@ -241,6 +260,15 @@ class Engine:
         # Under expert parallelism, how this rank agrees with the others on requests, batches and
         # tokens (``pwgpu.ep_agree.attach``); None in one process.
         self.agreement = None
+        # Preemption by swap (kv-swap): the KV of each request preempted by swap, copied to host
+        # memory as the scheduler preempts it (before its freed blocks can be reused), until it
+        # resumes in new blocks: request id -> (host copy, tokens). Every expert-parallel rank
+        # swaps its own KV: its scheduler replays rank 0's preemptions through the same hook.
+        self._swapped: dict[int, tuple[torch.Tensor, int]] = {}
+        self._swap_bytes = 0  # KV bytes copied either way since the last step's record
+        self.swap_in_bytes = 0  # host -> device KV bytes, counted with the upgrades' copies
+        if self.core.scheduler.config.preemption_mode in ("swap", "cost"):
+            self.core.scheduler.swap_out_hook = self._swap_out
 
     def now(self) -> float:
         """Seconds on the engine's clock (by default since it started): the clock of every
@@ -292,6 +320,7 @@ class Engine:
         if er.req.state in (FINISHED, REJECTED):
             return
         self.core.scheduler.abort(er.req, self.now(), reason)
+        self._swapped.pop(er.req.request_id, None)  # a swapped-out request's host copy
         er.finish_reason = "abort"
         self._by_req.pop(er.req.request_id, None)
         if self.agreement is not None:
@@ -301,6 +330,7 @@ class Engine:
     def refuse(self, er: EngineRequest, reason: str) -> None:
         """Reject a queued request after all (another expert-parallel rank cannot hold it)."""
         self.core.scheduler.abort(er.req, self.now(), reason)
+        self._swapped.pop(er.req.request_id, None)
         er.finish_reason = "rejected"
         self._by_req.pop(er.req.request_id, None)
         self._emit(er, [], True)
@@ -360,7 +390,10 @@ class Engine:
         self.store.refresh()
         batch = step.batch
         ids, seqs, last_rows, ers = [], [], [], []
+        swapped = self._swapped
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            if swapped and req.request_id in swapped:
+                self._swap_in(req)
             er = self._by_req[req.request_id]
             start, prompt = req.num_computed_tokens, er.prompt_ids
             # The new tokens, without copying the whole context: prompt first, then outputs.
@@ -397,7 +430,35 @@ class Engine:
         counts_host = counts.cpu().numpy()  # the step's one copy of the counts to the host
         step.observe_routing(counts_host if self.ep is None else self.ep.local_counts(counts_host))
         self.clock.step_done(step.start_s)
-        return Executed()
+        moved, self._swap_bytes = self._swap_bytes, 0
+        return Executed(bytes_swapped=moved)
+
+    @property
+    def h2d_bytes(self) -> int:
+        """Bytes copied host -> device: upgrades from the host masters and swapped-in KV (as the
+        simulator counts them)."""
+        return self.store.h2d_bytes + self.swap_in_bytes
+
+    def _swap_out(self, req: Request) -> None:
+        """The scheduler preempts ``req`` by swap (``Scheduler.swap_out_hook``): copy the KV of
+        its computed tokens to host memory while it still holds its blocks. On CUDA the copy is
+        queued on the current stream, ahead of anything that later writes those blocks."""
+        tokens = req.num_computed_tokens
+        if tokens:
+            self._swapped[req.request_id] = (self.kv_cache.copy_out(req.block_ids, tokens), tokens)
+            self._swap_bytes += tokens * self.kv_cache.token_bytes
+
+    def _swap_in(self, req: Request) -> None:
+        """``req`` resumes after a swap: its host copy into its new blocks, before the forward."""
+        host, tokens = self._swapped.pop(req.request_id)
+        if req.num_computed_tokens != tokens:
+            raise PagedWeightError(
+                f"request {req.request_id} resumes at token {req.num_computed_tokens}; {tokens} were swapped out"
+            )
+        self.kv_cache.copy_in(host, req.block_ids, tokens)
+        moved = tokens * self.kv_cache.token_bytes
+        self._swap_bytes += moved
+        self.swap_in_bytes += moved
 
     def _emit(self, er: EngineRequest, new_ids: list[int], finished: bool) -> None:
         if er.on_event is not None:
@@ -453,6 +514,6 @@ class Engine:
                          f"steps ({window})")  # fmt: skip
         trace = trace or {"source": "live requests", "num_requests": len(reqs), "notes": notes}
         writer = ResultsWriter(Path(out_dir), self.results_meta(scenario, trace))
-        summary = policy_summary(reqs, self.core, Slo(), self.now(), self.store.h2d_bytes)
+        summary = policy_summary(reqs, self.core, Slo(), self.now(), self.h2d_bytes)
         writer.add(self.cfg.policy, reqs, self.core, summary)
         return writer.write()

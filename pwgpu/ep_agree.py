@@ -17,9 +17,10 @@ preempt differently. Instead:
   short, rank 0's pressure hook asks every rank to make that room with its own controller
   (downgrading its own experts) and takes the MIN again; only then does the scheduler preempt.
   So no rank is asked for KV it does not have.
-- Rank 0 sends the batch (preempted request ids, then request ids and token counts); the others
-  replay it on their own schedulers: the same preemptions, the same admissions, blocks from
-  their own pools.
+- Rank 0 sends the batch (preempted request ids and whether each was swapped, then request ids
+  and token counts); the others replay it on their own schedulers: the same preemptions (each
+  rank swapping its own KV where rank 0 swapped), the same admissions, blocks from their own
+  pools.
 - Rank 0 samples and sends the tokens; the others take them (same tokens, same stop decisions)
   without computing logits.
 
@@ -168,7 +169,7 @@ class EpLeader:
         self._agree_room(None)
         batch = self.sched.schedule(now_s)
         plan = (
-            [r.request_id for r in batch.preempted],
+            [(r.request_id, r.swapped_tokens > 0) for r in batch.preempted],  # and whether swapped
             [(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)],
         )
         self.ch.bcast(("batch", plan))
@@ -235,13 +236,14 @@ class EpFollower:
             _, want, taken = msg
             self.ch.min_int(_room(self.kv, hook, want, taken))
 
-    def _replay(self, preempted: list[int], entries: list[tuple[int, int]], now_s: float) -> Batch:
-        """Rank 0's batch on this rank's scheduler: its preemptions, then each request's tokens
-        (an admission for a waiting one), KV from this rank's pool."""
+    def _replay(self, preempted: list[tuple[int, bool]], entries: list[tuple[int, int]], now_s: float) -> Batch:
+        """Rank 0's batch on this rank's scheduler: its preemptions (by swap where rank 0
+        swapped: this rank copies its own KV out), then each request's tokens (an admission for
+        a waiting one), KV from this rank's pool."""
         sched, by_id = self.sched, self.engine._by_req
         batch = Batch()
-        for rid in preempted:
-            sched._preempt(by_id[rid].req, batch, now_s)
+        for rid, swapped in preempted:
+            sched._preempt(by_id[rid].req, batch, now_s, swap=swapped)
         for rid, num_new in entries:
             req: Request = by_id[rid].req
             if req.state is WAITING:

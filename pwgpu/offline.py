@@ -165,7 +165,7 @@ def run_policies(
         if engine.agreement is not None:
             engine.agreement.close()
         reqs = [er.req for er in ers]
-        summary = policy_summary(reqs, engine.core, slo or Slo(), time.perf_counter() - wall0, engine.store.h2d_bytes)
+        summary = policy_summary(reqs, engine.core, slo or Slo(), time.perf_counter() - wall0, engine.h2d_bytes)
         writer.add(policy, reqs, engine.core, summary)
         del engine
     if writer is None:

@@ -92,6 +92,7 @@ class SimEngine:
         self._last_step: tuple | None = None  # (shape, tokens per expert) of the last step
         self._predictors: dict[bytes, object] = {}  # latency-model copies by precision map
         self.core.set_step_time_model(self._predict_step_s)
+        self.core.set_copy_time_model(latency.h2d_time_s)
         self.requests: list[Request] = []
         self.bytes_h2d = 0
         self._copy_queue: deque[Transition] = deque()

@@ -194,6 +194,9 @@ class ControllerConfig(_Strict):
     backlog_calm_s: float = Field(default=_CTL.backlog_calm_s, ge=0)
     slo_batching: bool = _CTL.slo_batching
     min_prefill_tokens: int = Field(default=_CTL.min_prefill_tokens, ge=1)
+    # KV offload (pagedweight): a preempted request is swapped to host memory rather than
+    # recomputed when its copies over PCIe cost less time than its recompute.
+    kv_offload: bool = _CTL.kv_offload
     # static-mixed: the fixed weight budget, as a fraction of every expert at the top precision.
     static_mixed_fraction: float = Field(default=CoreConfig.static_mixed_fraction, gt=0, le=1)
 

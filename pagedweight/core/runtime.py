@@ -245,7 +245,10 @@ class RuntimeCore:
         self.kv.reserve_pages = reserve
         floor_pages = int(pages_by_id[setup.floor_ids].sum())
         max_kv_pages = pool.num_pages - pool.num_owned(OWNER_PINNED) - floor_pages - reserve
-        sched_cfg = replace(cfg.scheduler, preemption_mode=setup.preemption_mode)
+        preemption = setup.preemption_mode
+        if setup.controller_mode == "pagedweight" and cfg.controller.kv_offload:
+            preemption = "cost"  # per victim: swap or recompute, whichever costs less (prefer_swap)
+        sched_cfg = replace(cfg.scheduler, preemption_mode=preemption)
         self.scheduler = Scheduler(
             sched_cfg, self.kv, max_kv_pages * self.kv.blocks_per_page, prefix_caching=cfg.prefix_caching
         )
@@ -261,6 +264,8 @@ class RuntimeCore:
                 self.scheduler.forecast_kv_blocks,
             )
             self.scheduler.pressure_hook = self._on_pressure
+            if preemption == "cost":
+                self.scheduler.swap_preferred = self.controller.prefer_swap
             if setup.controller_mode == "pagedweight":
                 # Serving under the SLOs: the controller reads the queue (backlog) and sets each
                 # step's batch limits and the order of late requests (Controller.step_limits).
@@ -312,6 +317,8 @@ class RuntimeCore:
         self.plan_step()
         batch = self.decide_batch(start_s)
         self._step_changes = None
+        if self.controller is not None:  # KV offload: what readmitted victims found in the cache
+            self.controller.observe_readmissions()
         if not batch.requests:
             return None
         step = Step(self, self.steps.num_recorded, start_s, batch, batch.shape(), changes)
@@ -361,6 +368,13 @@ class RuntimeCore:
         (flat ids per routed expert), which puts speed in its objective under a TPOT SLO."""
         if self.controller is not None:
             self.controller.step_time_s = step_time_s
+
+    def set_copy_time_model(self, copy_time_s: Callable[[int], float]) -> None:
+        """Give the controller the runtime's seconds to copy so many bytes between host and
+        device (the simulator's latency model, the engine's PCIe bandwidth), which prices a
+        swap against a recompute under ``kv_offload``."""
+        if self.controller is not None:
+            self.controller.copy_time_s = copy_time_s
 
     def use_weight_read_model(self, bandwidth_bytes_per_s: float) -> None:
         """For a runtime without a latency model (the engine): predict a map's step time from

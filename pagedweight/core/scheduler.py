@@ -5,8 +5,9 @@ chunks, oldest first), then admits waiting requests FCFS, within a token budget
 (``max_num_batched_tokens``) and ``max_num_seqs``, and by default only when their forecast KV
 demand fits beside the running requests' (``admission``; docs/DESIGN.md). Prefill is chunked
 to what the budget leaves. When KV blocks run out it first calls the memory-pressure hook (the
-precision controller downgrades experts there, freeing pages) and only then preempts by
-recompute, newest first. ``finish_step(batch, end_s)`` appends the sampled tokens and releases finished
+precision controller downgrades experts there, freeing pages) and only then preempts,
+newest first: by recompute, by swap (``kv-swap``), or per victim (``cost``: pagedweight's
+``kv_offload``). ``finish_step(batch, end_s)`` appends the sampled tokens and releases finished
 requests.
 
 Token model (as in vLLM): a request holds ``prompt + num_output_tokens`` tokens, of which
@@ -65,6 +66,8 @@ class SchedulerConfig:
     # recompute: a preempted request's KV is dropped and recomputed on resume (vLLM's default).
     # swap: its KV is copied to host memory and back (the ``kv-swap`` policy); the runtime
     # times the copies from ``Batch.swapped_out_tokens`` / ``swapped_in_tokens``.
+    # cost: per victim, swap if ``Scheduler.swap_preferred`` says so, else recompute (the
+    # pagedweight controller's ``kv_offload``: swap when the copies cost less than recomputing).
     preemption_mode: str = "recompute"
     # forecast: a waiting request is admitted only when its whole prompt and the next
     # ``admission_reserve_tokens`` output tokens (at most its own) fit beside what the running
@@ -80,8 +83,8 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "admission_reserve_tokens"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name}(={getattr(self, name)}) must be > 0")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ConfigError(f"preemption_mode(={self.preemption_mode!r}) must be 'recompute' or 'swap'")
+        if self.preemption_mode not in ("recompute", "swap", "cost"):
+            raise ConfigError(f"preemption_mode(={self.preemption_mode!r}) must be 'recompute', 'swap' or 'cost'")
 
 
 class Request:
@@ -200,6 +203,9 @@ class Batch:
 PressureHook = Callable[[int], None]
 # A step limits hook gets the step's start time and returns (token budget, most running requests).
 StepLimits = Callable[[float], tuple[int, int]]
+# A swap-out hook gets a request being preempted by swap while it still holds its blocks, with
+# ``num_computed_tokens`` of KV in them: a runtime that holds real KV copies it out there.
+SwapOutHook = Callable[[Request], None]
 
 
 class Scheduler:
@@ -223,6 +229,13 @@ class Scheduler:
         # ``max_num_seqs``) and may reorder ``waiting``. None: the configured limits, FCFS. The
         # pagedweight controller sets it (``Controller.step_limits``: SLO-aware batches).
         self.step_limits: StepLimits | None = None
+        # Swap-out hook (swap mode): called in ``_preempt`` before the victim's blocks are freed,
+        # which the same ``schedule`` may hand to another request or, through the pressure
+        # hook's downgrades, to expert weights. The engine copies the KV to host memory there.
+        self.swap_out_hook: SwapOutHook | None = None
+        # Preemption mode ``cost``: whether a victim is swapped (True) or recomputed (False),
+        # asked with the victim before it lets go of anything (``Controller.prefer_swap``).
+        self.swap_preferred: Callable[[Request], bool] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -278,14 +291,25 @@ class Scheduler:
         req.block_ids.extend(kv.allocate(need))
         return True
 
-    def _preempt(self, req: Request, batch: Batch, now_s: float) -> None:
+    def _swaps(self, req: Request) -> bool:
+        """Whether preempting ``req`` swaps its KV out (else it is recomputed on resume)."""
+        mode = self.config.preemption_mode
+        if mode == "swap":
+            return True
+        return mode == "cost" and self.swap_preferred is not None and self.swap_preferred(req)
+
+    def _preempt(self, req: Request, batch: Batch, now_s: float, swap: bool | None = None) -> None:
+        """Preempt ``req``: by swap or by recompute as ``swap`` says (None: as ``_swaps`` decides;
+        an expert-parallel follower replays rank 0's decision)."""
         self._promised_memo = None
         if self.running[-1] is req:  # the newest, as schedule() picks: no scan of the list
             self.running.pop()
         else:
             self.running.remove(req)
         req.preempted_at_s.append(now_s)
-        if self.config.preemption_mode == "swap":
+        if self._swaps(req) if swap is None else swap:
+            if self.swap_out_hook is not None:
+                self.swap_out_hook(req)
             req.swapped_tokens = req.num_computed_tokens
             batch.swapped_out_tokens += req.num_computed_tokens
         if req.prefix_private and not req.num_preemptions and req.block_hashes:

@@ -32,6 +32,8 @@ Rules, per policy (``pagedweight.policy.policies``):
   lifts protection. Every other policy evicts cached blocks first, as vLLM does.
 - ``paper-greedy``: the paper's scheme: every step, re-plan with ``paper-greedy`` for the memory
   KV leaves right now and apply every difference, with no forecast, budget or hysteresis.
+- ``pagedweight`` with ``kv_offload``: a victim of preemption is swapped to host memory
+  rather than recomputed when its copies cost less time (``prefer_swap``).
 - Static policies never change anything; ``kv-swap`` swaps KV instead (scheduler).
 The plan never exceeds the budget counting pages in flight: an expert with an upgrade in flight
 is pinned at its target and its old pages still count.
@@ -39,20 +41,26 @@ is pinned at its target and its old pages still count.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pagedweight.core.kv_blocks import KvBlockAllocator
 from pagedweight.core.pagetable import ExpertPageTable
 from pagedweight.core.pool import OWNER_KV, OWNER_PINNED
+from pagedweight.core.scheduler import RUNNING, WAITING
 from pagedweight.core.spec import PRECISION_ID, PRECISION_NAMES
 from pagedweight.errors import ConfigError
 from pagedweight.policy.allocate import Plan, Problem, paper_greedy
 from pagedweight.policy.hull import MarginalPlanner
 from pagedweight.policy.importance import ImportanceTable, RoutingTracker
 from pagedweight.policy.latency_cap import StepShapeFit, StepTimeModel, largest_budget_within
+
+if TYPE_CHECKING:
+    from pagedweight.core.scheduler import Request
 
 
 class ChangeKind(Enum):
@@ -71,6 +79,9 @@ STEP_EMA_WEIGHT = 1 / 256
 # as a recomputed prefix's is.
 TOKEN_EMA_WEIGHT = 1 / 32
 PREFILL_SAMPLE_TOKENS = 64
+# KV offload: the share of a recomputed victim's cacheable prefix found in the prefix cache when
+# it is readmitted, an EMA over ~10 readmissions, starting at 1 (the cache keeps what it holds).
+SURVIVAL_EMA_WEIGHT = 1 / 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +136,10 @@ class ControllerSettings:
     # requests that have already missed it wait behind those that can still meet it.
     slo_batching: bool = True
     min_prefill_tokens: int = 256
+    # KV offload (pagedweight): a request preempted when even the downgrades leave KV short is
+    # swapped to host memory instead of recomputed when copying its KV out and back costs less
+    # time than recomputing it (``Controller.prefer_swap``; the scheduler's ``cost`` mode).
+    kv_offload: bool = False
 
     def __post_init__(self) -> None:
         if not self.recompute_weight >= 0:
@@ -198,6 +213,13 @@ class Controller:
         # pages worth more than the cache's pages at its current value (the lowest that
         # protection may push the weights to; None while nothing is protected).
         self._token_ema_s = 0.0
+        # Set by the runtime (RuntimeCore.set_copy_time_model): seconds to copy so many bytes
+        # between host and device, for ``prefer_swap`` (None: never swap).
+        self.copy_time_s: Callable[[int], float] | None = None
+        # KV offload: the victims recomputed with a cached prefix, by their cacheable tokens, until
+        # readmitted, and the share of that prefix the cache has still held on readmission.
+        self._recomputed: dict[Request, int] = {}
+        self._cache_survival = 1.0
         self._weights_over_cache_pages: int | None = None
         # Serving under the SLOs (pagedweight): the scheduler whose queue and batch the controller
         # reads (set by RuntimeCore), the learnt step time by shape, and the backlog state.
@@ -444,6 +466,49 @@ class Controller:
             else:
                 self._token_ema_s += TOKEN_EMA_WEIGHT * (per_token_s - self._token_ema_s)
 
+    def prefer_swap(self, req: Request) -> bool:
+        """KV offload (``kv_offload``; the scheduler asks for each victim of a preemption):
+        swap ``req`` when copying the KV of its computed tokens to the host and back (the
+        runtime's copy-time model, twice) takes less time than recomputing them at the learnt
+        seconds per prefill token. Under prefix caching a recompute finds part of its prompt in
+        the cache (its own blocks, registered as it let go of them), if they are not evicted
+        before it is readmitted: that part is discounted by the share recomputed victims have
+        found (``observe_readmissions``). A copy's fixed cost makes short requests cheaper to
+        recompute. Recompute while either time is unknown, or nothing is computed."""
+        tokens = req.num_computed_tokens
+        per_token_s = self._prefill_token_s()
+        if self.copy_time_s is None or tokens <= 0 or per_token_s <= 0:
+            return False
+        kv = self.kv
+        cacheable = 0
+        if req.block_hashes is not None and self.scheduler is not None and self.scheduler.prefix_caching:
+            bt = kv.block_tokens
+            cacheable = min(len(req.block_hashes), (req.prompt_tokens - 1) // bt, tokens // bt) * bt
+        recompute_s = (tokens - self._cache_survival * cacheable) * per_token_s
+        swap = 2 * self.copy_time_s(tokens * kv.block_bytes // kv.block_tokens) < recompute_s
+        if not swap and cacheable:
+            self._recomputed[req] = cacheable
+        return swap
+
+    def observe_readmissions(self) -> None:
+        """After a schedule: a victim recomputed with a cacheable prefix that this schedule
+        readmitted found its computed tokens (before the step computes) in the cache; their
+        share of its cacheable prefix updates the estimate ``prefer_swap`` discounts by."""
+        if not self._recomputed:
+            return
+        for req, cacheable in list(self._recomputed.items()):
+            state = req.state
+            if state is WAITING:
+                continue
+            del self._recomputed[req]
+            if state is RUNNING:
+                found = min(1.0, req.num_computed_tokens / cacheable)
+                self._cache_survival += SURVIVAL_EMA_WEIGHT * (found - self._cache_survival)
+
+    def _prefill_token_s(self) -> float:
+        """Seconds a prefill token costs: the learnt step-shape fit's, else the recent EMA."""
+        return self._fit[1] if self._fit is not None and self._fit[1] > 0 else self._token_ema_s
+
     def _tpot_model(self):
         """Predicted TPOT for a precision map: the recent mean step, plus what the runtime's model
         says the last step would have gained or lost with that map. Added, not scaled: the bytes
@@ -508,8 +573,7 @@ class Controller:
                 if r.arrival_s < oldest:
                     oldest = r.arrival_s
             tokens += r.num_tokens - r.swapped_tokens
-        per_token_s = self._fit[1] if self._fit is not None and self._fit[1] > 0 else self._token_ema_s
-        return now_s - oldest + tokens * per_token_s
+        return now_s - oldest + tokens * self._prefill_token_s()
 
     def _update_backlog(self, now_s: float) -> bool:
         """Backlog on when the queue's projected wait passes ``backlog_fraction`` of the TTFT SLO;

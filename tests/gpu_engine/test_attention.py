@@ -118,3 +118,40 @@ def test_decode_ignores_nan_past_the_context(device):
         from pwgpu.kernels.attention import paged_decode_triton
 
         torch.testing.assert_close(paged_decode_triton(q, kv, 0, tables, lens, 0.25), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slack", (64, 0), ids=("slack", "back-to-back"))
+@pytest.mark.parametrize("parts", (2, 1), ids=("k-v", "latent"))
+def test_kv_copied_out_and_into_other_blocks_gathers_the_same(device, slack, parts):
+    """A request's KV copied to the host (``copy_out``) and into other blocks (``copy_in``)
+    gathers to the same tokens in every layer and part; nothing else in the arena changes (the
+    slots past its last token in the last block neither). Pages with slack at their end index
+    by (page, slot), pages without by whole rows: both paths."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    layers, heads, dim, bt, bpp, pages, dtype = 3, 2, 8, 16, 2, 12, torch.float32
+    elem = torch.tensor([], dtype=dtype).element_size()
+    block_bytes = layers * parts * bt * heads * dim * elem
+    page_bytes = bpp * block_bytes + slack
+    arena = torch.randn(pages * page_bytes // elem, device=device, dtype=dtype).view(torch.uint8)
+    kv = PagedKvCache(arena, page_bytes, bt, bpp, layers, heads, dim, dtype, parts)
+    assert (kv.rows is None) == bool(slack)
+    src, dst, tokens = [3, 7, 1], [10, 4, 9, 0], 37  # the last block holds 5 tokens
+    host = kv.copy_out(src, tokens)
+    assert host.device.type == "cpu" and host.is_pinned() == (device == "cuda")
+    assert tokens * kv.token_bytes == tokens * layers * parts * heads * dim * elem
+    before = arena.clone()
+    kv.copy_in(host, dst, tokens)
+    for layer in range(layers):
+        for part in range(parts):
+            want = kv.gather_part(layer, torch.tensor([src], device=device), part)[0, :tokens]
+            got = kv.gather_part(layer, torch.tensor([dst], device=device), part)[0, :tokens]
+            assert torch.equal(got, want)
+    # Only the destination's first 37 tokens changed: put back what was there and compare.
+    was = PagedKvCache(before, page_bytes, bt, bpp, layers, heads, dim, dtype, parts).copy_out(dst, tokens)
+    assert was.shape[0] == 3
+    kv.copy_in(was, dst, tokens)
+    assert torch.equal(arena, before)
+    with pytest.raises(ValueError, match="need 3 KV blocks"):
+        kv.copy_out(src[:2], tokens)

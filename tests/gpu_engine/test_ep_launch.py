@@ -6,6 +6,8 @@
 - Two ranks with different budgets (so different pools, and only the tight one's controller
   downgrades) still agree on every batch: every request finishes, no hang, the KV in use is the
   same on both ranks every step, and the roomy rank 0 admits only what the tight rank can hold.
+- kv-swap under KV pressure: every rank swaps its own KV, and the tokens are those of one
+  process without preemption.
 - Bad ``--ep`` values fail in one line (exit 2) before any rank starts.
 
 Each command runs in a process group of its own (``tests/proc.py``): on a hang or a failure the
@@ -86,6 +88,33 @@ def test_scenario_parallel_ep_gives_the_single_process_tokens(tmp_path):
     assert "expert_parallel" not in json.loads((tmp_path / "one" / "summary.json").read_text())
     single, ep = _tokens(tmp_path / "one"), _tokens(tmp_path / "two")
     assert len(single) == 6 and all(len(t) == 8 for t in single.values())
+    assert ep == single
+
+
+@pytest.mark.e2e
+@needs_model
+def test_kv_swap_on_two_ranks_gives_the_unpreempted_tokens(tmp_path):
+    """kv-swap on two ranks, each with room for 15 KV pages beside its pinned weights and half
+    of the experts (177 + 192 pages): greedy admission preempts, every rank swaps its own KV
+    (the followers replay rank 0's preemptions) and the tokens are those of one process with
+    room to spare. Without the copies the preempted requests generate other tokens."""
+    lengths = {"kind": "fixed", "prompt_tokens": 64, "output_tokens": 24}
+    workload = {**SCENARIO["workload"], "lengths": lengths}
+    ref = _scenario(tmp_path, workload=workload)
+    one = _pwgpu_run(ref, tmp_path / "one", "--ep", "1", "--prompt-text", TEXT)
+    assert one.returncode == 0, one.stderr[-3000:]
+    swap = _scenario(
+        tmp_path, workload=workload, policies=["kv-swap"], parallel={"ep": 2},
+        memory={**SCENARIO["memory"], "budget": "24 MiB"},
+        scheduler={**SCENARIO["scheduler"], "admission": "greedy"},
+    )  # fmt: skip
+    two = _pwgpu_run(swap, tmp_path / "two", "--prompt-text", TEXT)
+    assert two.returncode == 0, two.stderr[-3000:]
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["policies"]["kv-swap"]["num_preemptions"] > 0, "the run must preempt"
+    assert summary["policies"]["kv-swap"]["h2d_bytes"] > 0  # the swapped-in KV
+    single, ep = _tokens(tmp_path / "one"), _tokens(tmp_path / "two")
+    assert len(single) == 6 and all(len(t) == 24 for t in single.values())
     assert ep == single
 
 
