@@ -1,5 +1,5 @@
-"""Cells of the policy scoreboard (``scenarios/bench_small.yaml``) where ``pagedweight`` still
-misses its target: best or within 2% of the best policy on goodput and on the largest
+"""Cells of the policy scoreboards (``scenarios/bench_small.yaml``, ``bench_default.yaml``) where
+``pagedweight`` still misses its target: best or within 2% of the best policy on goodput and on the largest
 sustainable load, and within 10% of the best quality proxy among the policies that reach its
 goodput (``benchmarks/RESULTS.md`` has the whole table). Each miss is a test of its reason,
 and an ``xfail(strict=True)`` of the target itself, which fails the day the cell is won, so
@@ -12,6 +12,13 @@ queue, decodes them at the precision the backlog left (FP8, as fast to read as I
 one it restores once the queue has been calm for ``backlog_calm_s``. Matching it would take
 INT4 precision with nothing at risk, i.e. static-int4's quality proxy (0.10, 10-25x
 pagedweight's here).
+
+multiturn-100g at 1x (``scenarios/bench_default.yaml``, an hour): static-fp16 already meets
+both SLOs for every request, at a quality proxy of 0; pagedweight downgrades a few experts to
+keep more of the conversations' prefixes cached (the cache is weighed against downgrades by its
+observed reuse), which lowers TTFT by a third but cannot raise goodput: the same goodput at a
+quality proxy above 0 misses "within 10% of the best quality". The shipped 10-minute
+``scenarios/multiturn.yaml`` shows the same; the test runs its first five minutes.
 """
 
 from __future__ import annotations
@@ -62,3 +69,32 @@ def test_chat_1x_misses_goodput_only_by_the_span_of_its_last_long_answers(chat_1
 def test_chat_1x_goodput_within_2_percent_of_static_int4(chat_1x):
     s, _ = chat_1x
     assert s["pagedweight"]["request_goodput"] >= 0.98 * s["static-int4"]["request_goodput"]
+
+
+@pytest.fixture(scope="module")
+def multiturn_1x(tmp_path_factory):
+    """The first five minutes of the multi-turn cell, static-fp16 and pagedweight."""
+    from pwsim.run import run_scenario
+
+    sets = ["workload.duration_s=300", "policies=[static-fp16, pagedweight]"]
+    loaded = load_scenario(ROOT / "scenarios" / "multiturn.yaml", sets)
+    summary = run_scenario(loaded, tmp_path_factory.mktemp("multiturn_1x"), report=False)
+    return summary["policies"]
+
+
+def test_multiturn_1x_spends_quality_on_prefix_hits_that_goodput_does_not_count(multiturn_1x):
+    fp16, pw = multiturn_1x["static-fp16"], multiturn_1x["pagedweight"]
+    # Every request meets the SLOs under both: the same goodput (within 2%).
+    assert good_fraction(fp16) >= 0.99 and good_fraction(pw) >= 0.99
+    assert pw["request_goodput"] >= 0.98 * fp16["request_goodput"]
+    # pagedweight's downgrades keep more prefix cached and answer sooner ...
+    assert pw["prefix_cache_hit_rate"] > fp16["prefix_cache_hit_rate"]
+    assert pw["mean_ttft_ms"] < 0.8 * fp16["mean_ttft_ms"]
+    # ... at a quality proxy above static-fp16's zero.
+    assert pw["num_downgrades"] > 0 and pw["mean_quality_proxy"] > 0
+
+
+@pytest.mark.xfail(strict=True, reason="multiturn-100g 1x: quality spent on prefix hits (module doc)")
+def test_multiturn_1x_quality_within_10_percent_of_static_fp16(multiturn_1x):
+    fp16, pw = multiturn_1x["static-fp16"], multiturn_1x["pagedweight"]
+    assert pw["mean_quality_proxy"] <= 1.1 * fp16["mean_quality_proxy"]
