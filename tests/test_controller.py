@@ -535,3 +535,37 @@ def test_step_shape_fit_learns_a_steps_time_from_its_shape():
         p, d = int(rng.integers(0, 2048)), int(rng.integers(1, 128))
         fit.observe(0.010 + 2e-5 * p + 6e-4 * d, p, d)
     assert fit.fit()[2] == pytest.approx(6e-4, rel=0.05)
+
+
+def test_a_cap_on_the_wait_of_late_requests_serves_them_again_in_arrival_order():
+    """The same overload as above with ``late_wait_max_s``: a late request waits behind the
+    on-time ones no longer than the cap since its arrival, then goes ahead of them; without
+    the cap the first wave's late requests all wait for the second wave."""
+
+    def serve(cap_s):
+        core, clock, backend = make_core("pagedweight", budget_mib=400, ttft_slo_s=1.0, min_dwell_s=0.0)
+        core.controller.settings = replace(core.controller.settings, late_wait_max_s=cap_s)
+        first = [Request(rid, 0.0, 400, 10) for rid in range(60)]
+        second = [Request(60 + rid, 1.5, 400, 10) for rid in range(30)]
+        for r in first:
+            core.add(r)
+        added = False
+        while core.scheduler.has_work() or not added:
+            if not added and clock.now_s >= 1.5:
+                for r in second:
+                    core.add(r)
+                added = True
+            step_with(core, clock, backend, lambda b, s: 0.05)
+        assert all(r.state.value == "finished" for r in first + second)
+        return first, second
+
+    first, second = serve(None)
+    late = [r for r in first if r.first_scheduled_s > 1.5]
+    assert late and max(r.first_scheduled_s for r in second) <= min(r.first_scheduled_s for r in late)
+    first, second = serve(1.6)  # past 1.6 s of waiting, the first wave goes ahead again
+    late = [r for r in first if r.first_scheduled_s > 1.5]
+    assert late, "the test needs first-wave requests waiting when the second wave arrives"
+    # Once overdue, the first wave's rest goes ahead of the second wave still waiting.
+    assert max(r.first_scheduled_s for r in first) < max(r.first_scheduled_s for r in second)
+    order = [r.request_id for r in sorted(first, key=lambda r: r.first_scheduled_s)]
+    assert order == sorted(order)  # the first wave itself stays in arrival order

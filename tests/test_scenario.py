@@ -72,14 +72,14 @@ def test_every_controller_setting_reaches_the_controller():
             "controller.plan_interval_s=0.25", "controller.rescale_interval_s=3",
             "controller.recompute_weight=2.5", "controller.backlog_fraction=0.5", "controller.backlog_calm_s=4",
             "controller.slo_batching=false", "controller.min_prefill_tokens=128",
-            "controller.kv_offload=true"]  # fmt: skip
+            "controller.kv_offload=true", "controller.late_wait_max_s=30"]  # fmt: skip
     settings = asdict(core_config(load_scenario(ROOT / "scenarios" / "longctx.yaml", sets)).controller)
     assert settings == {"horizon_steps": 7, "low_watermark": 0.03, "high_watermark": 0.2,
                         "copy_budget_bytes_per_s": 123, "max_in_flight_bytes": 4096, "min_dwell_s": 0.5,
                         "plan_interval_s": 0.25, "rescale_interval_s": 3.0,
                         "tpot_slo_s": 0.1, "latency_margin": 0.1, "recompute_weight": 2.5,
                         "ttft_slo_s": 10.0, "backlog_fraction": 0.5, "backlog_calm_s": 4.0, "slo_batching": False,
-                        "min_prefill_tokens": 128, "kv_offload": True}  # fmt: skip
+                        "min_prefill_tokens": 128, "late_wait_max_s": 30.0, "kv_offload": True}  # fmt: skip
 
 
 def test_paper_greedy_precisions_reach_the_core_and_are_checked():

@@ -194,6 +194,8 @@ class ControllerConfig(_Strict):
     backlog_calm_s: float = Field(default=_CTL.backlog_calm_s, ge=0)
     slo_batching: bool = _CTL.slo_batching
     min_prefill_tokens: int = Field(default=_CTL.min_prefill_tokens, ge=1)
+    # How long a request past slo.ttft_ms may wait behind on-time ones (null: no cap).
+    late_wait_max_s: float | None = Field(default=_CTL.late_wait_max_s, gt=0)
     # KV offload (pagedweight): a preempted request is swapped to host memory rather than
     # recomputed when its copies over PCIe cost less time than its recompute.
     kv_offload: bool = _CTL.kv_offload

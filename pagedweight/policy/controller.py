@@ -136,6 +136,11 @@ class ControllerSettings:
     # requests that have already missed it wait behind those that can still meet it.
     slo_batching: bool = True
     min_prefill_tokens: int = 256
+    # A cap on how long a late request waits behind on-time ones: once it has waited this long
+    # since its arrival it is served in arrival order ahead of them (None: no cap, goodput
+    # first; a cap bounds the TTFT tail of the late ones, and under an overload that outlasts it
+    # serves everyone late again, as FCFS does).
+    late_wait_max_s: float | None = None
     # KV offload (pagedweight): a request preempted when even the downgrades leave KV short is
     # swapped to host memory instead of recomputed when copying its KV out and back costs less
     # time than recomputing it (``Controller.prefer_swap``; the scheduler's ``cost`` mode).
@@ -150,6 +155,8 @@ class ControllerSettings:
             raise ConfigError(f"controller.backlog_calm_s(={self.backlog_calm_s}) must be >= 0")
         if self.min_prefill_tokens < 1:
             raise ConfigError(f"controller.min_prefill_tokens(={self.min_prefill_tokens}) must be >= 1")
+        if self.late_wait_max_s is not None and not self.late_wait_max_s > 0:
+            raise ConfigError(f"controller.late_wait_max_s(={self.late_wait_max_s}) must be > 0 (or null: no cap)")
 
 
 class Controller:
@@ -680,8 +687,10 @@ class Controller:
         """Requests that waited past the TTFT SLO without a first token can no longer meet it:
         they wait behind those that still can (FCFS within each group; requests already
         started, i.e. preempted ones, stay in front). None is dropped: they are admitted as soon
-        as no on-time request waits. Arrivals join the queue in arrival order, so while nothing
-        has been deferred only the first request not yet started needs a look."""
+        as no on-time request waits, or, with ``late_wait_max_s``, once they have waited that
+        long (then in arrival order ahead of the on-time ones). Arrivals join the queue in
+        arrival order, so while nothing has been deferred only the first request not yet
+        started needs a look."""
         waiting = self.scheduler.waiting
         cutoff = now_s - self.settings.ttft_slo_s
         if not self._deferring:
@@ -693,22 +702,25 @@ class Controller:
             else:
                 return
         last = waiting[-1]
-        if last.first_token_s is None and last.arrival_s < cutoff:
+        cap_s = self.settings.late_wait_max_s
+        if cap_s is None and last.first_token_s is None and last.arrival_s < cutoff:
             # The newest has missed it too: every request not started has; order kept.
             self._deferring = False
             return
-        started, on_time, late = [], [], []
+        overdue_before = -np.inf if cap_s is None else now_s - cap_s
+        started, overdue, on_time, late = [], [], [], []
         for r in waiting:
             if r.first_token_s is not None:
                 started.append(r)
             elif r.arrival_s < cutoff:
-                late.append(r)
+                (overdue if r.arrival_s <= overdue_before else late).append(r)
             else:
                 on_time.append(r)
         self._deferring = bool(late)
-        if late:
+        if late or overdue:
             waiting.clear()
             waiting.extend(started)
+            waiting.extend(overdue)
             waiting.extend(on_time)
             waiting.extend(late)
 

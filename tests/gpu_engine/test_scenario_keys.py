@@ -78,6 +78,7 @@ SCENARIO = {
         "backlog_calm_s": 3.0,
         "slo_batching": False,
         "min_prefill_tokens": 64,
+        "late_wait_max_s": 20.0,
         "kv_offload": True,
         "static_mixed_fraction": 0.7,
     },
