@@ -11,6 +11,10 @@ ones (+-10% of the budget; p50). Percentiles above p90 move with the machine's l
 (its incumbent) and the LP gap bounds the truth from the other side. Tables are SYNTHETIC
 (``pagedweight.policy.importance.synthetic_table``), so the quality columns compare methods on a
 plausible skew, not on a real model's measured losses.
+
+Every method plans on the case's whole ladder; the row ``paper-greedy/P`` is the paper-greedy
+allocator on the paper's own ladder (the top precision, INT8, INT4: what the ``paper-greedy``
+policy uses), its loss compared with the same exact optimum on the whole ladder.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from pagedweight.core.spec import load_model
 from pagedweight.policy.allocate import ALLOCATORS, Problem
 from pagedweight.policy.exact import solve_exact
 from pagedweight.policy.hull import MarginalPlanner
-from pagedweight.policy.importance import synthetic_table
+from pagedweight.policy.importance import on_ladder, synthetic_table
+from pagedweight.policy.policies import policy_ladder
 
 MiB = 2**20
 CASES = (
@@ -83,9 +88,12 @@ def main() -> None:
             budget = int(frac * high)
             exact, exact_ms = timed(lambda p=problem, b=budget: solve_exact(p, b, args.exact_time_limit_s), 1)
             lp = MarginalPlanner(problem).plan(budget).lp_bound
-            for method in ALLOCATORS:
+            paper_problem = Problem.build(on_ladder(table, policy_ladder("paper-greedy", ladder)))
+            for method in (*ALLOCATORS, "paper-greedy/P"):
                 if method == "exact":
                     plan, full_ms = exact, exact_ms
+                elif method == "paper-greedy/P":
+                    plan, full_ms = timed(lambda p=paper_problem, b=budget: ALLOCATORS["paper-greedy"](p, b), 3)
                 else:
                     repeats = 3 if table.num_rows > 1000 else 20
                     plan, full_ms = timed(lambda p=problem, m=method, b=budget: ALLOCATORS[m](p, b), repeats)
