@@ -58,6 +58,7 @@ from pagedweight.policy.allocate import Plan, Problem, paper_greedy
 from pagedweight.policy.hull import MarginalPlanner
 from pagedweight.policy.importance import ImportanceTable, RoutingTracker
 from pagedweight.policy.latency_cap import StepShapeFit, StepTimeModel, largest_budget_within
+from pagedweight.policy.serving_order import defer_late, projected_wait_s
 
 if TYPE_CHECKING:
     from pagedweight.core.scheduler import Request
@@ -567,20 +568,8 @@ class Controller:
         )
 
     def queue_wait_s(self, now_s: float) -> float:
-        """The queue's projected wait for a first token: the oldest on-time waiting request's wait
-        so far plus the prefill of every queued prompt (and preempted request's tokens) at the
-        learnt seconds per prefill token. Infinite when a request has already missed the TTFT
-        SLO while waiting: demand has outrun the current map."""
-        cutoff = now_s - self.settings.ttft_slo_s
-        oldest, tokens = now_s, 0
-        for r in self.scheduler.waiting:
-            if r.first_token_s is None:
-                if r.arrival_s < cutoff:
-                    return float("inf")
-                if r.arrival_s < oldest:
-                    oldest = r.arrival_s
-            tokens += r.num_tokens - r.swapped_tokens
-        return now_s - oldest + tokens * self._prefill_token_s()
+        """The queue's projected wait for a first token (``serving_order.projected_wait_s``)."""
+        return projected_wait_s(self.scheduler.waiting, now_s, self.settings.ttft_slo_s, self._prefill_token_s())
 
     def _update_backlog(self, now_s: float) -> bool:
         """Backlog on when the queue's projected wait passes ``backlog_fraction`` of the TTFT SLO;
@@ -663,11 +652,11 @@ class Controller:
         the learnt step model (``StepShapeFit``) predicts within (1 - latency_margin) of the SLO,
         never less than ``min_prefill_tokens`` of prefill beside the running requests' decodes,
         nor fewer requests than are running (at least one). Under a TTFT SLO, waiting requests
-        that have already missed it go behind the others first (``_defer_late``)."""
+        that have already missed it go behind the others first (``serving_order.defer_late``)."""
         sched, s = self.scheduler, self.settings
         budget, max_seqs = sched.config.max_num_batched_tokens, sched.config.max_num_seqs
         if s.ttft_slo_s is not None and sched.waiting:
-            self._defer_late(now_s)
+            self._deferring = defer_late(sched.waiting, now_s, s.ttft_slo_s, s.late_wait_max_s, self._deferring)
         fit = self._fit
         if fit is None:
             return budget, max_seqs
@@ -682,47 +671,6 @@ class Controller:
             seqs = (target_s - a - b * p_min) / c
             max_seqs = min(max_seqs, max(int(seqs), n, 1))
         return budget, max_seqs
-
-    def _defer_late(self, now_s: float) -> None:
-        """Requests that waited past the TTFT SLO without a first token can no longer meet it:
-        they wait behind those that still can (FCFS within each group; requests already
-        started, i.e. preempted ones, stay in front). None is dropped: they are admitted as soon
-        as no on-time request waits, or, with ``late_wait_max_s``, once they have waited that
-        long (then in arrival order ahead of the on-time ones). Arrivals join the queue in
-        arrival order, so while nothing has been deferred only the first request not yet
-        started needs a look."""
-        waiting = self.scheduler.waiting
-        cutoff = now_s - self.settings.ttft_slo_s
-        if not self._deferring:
-            for r in waiting:
-                if r.first_token_s is None:
-                    if r.arrival_s >= cutoff:
-                        return  # the oldest is on time: so is everyone behind it
-                    break
-            else:
-                return
-        last = waiting[-1]
-        cap_s = self.settings.late_wait_max_s
-        if cap_s is None and last.first_token_s is None and last.arrival_s < cutoff:
-            # The newest has missed it too: every request not started has; order kept.
-            self._deferring = False
-            return
-        overdue_before = -np.inf if cap_s is None else now_s - cap_s
-        started, overdue, on_time, late = [], [], [], []
-        for r in waiting:
-            if r.first_token_s is not None:
-                started.append(r)
-            elif r.arrival_s < cutoff:
-                (overdue if r.arrival_s <= overdue_before else late).append(r)
-            else:
-                on_time.append(r)
-        self._deferring = bool(late)
-        if late or overdue:
-            waiting.clear()
-            waiting.extend(started)
-            waiting.extend(overdue)
-            waiting.extend(on_time)
-            waiting.extend(late)
 
     def _plan_ids(self, pinned: bool):
         plan = self._plan if pinned else self._plan_without_in_flight
