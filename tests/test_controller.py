@@ -430,33 +430,34 @@ def test_admission_is_capped_where_the_step_would_pass_the_tpot_slo():
         assert serve(policy)[0] == 60, policy
 
 
+def serve_two_waves(policy, **settings):
+    """Overload: 60 requests arrive at 0 s, 30 more at 1.5 s, the TTFT SLO is 1 s, 50 ms steps;
+    every request finishes. Returns the two waves."""
+    core, clock, backend = make_core(policy, budget_mib=400, ttft_slo_s=1.0, min_dwell_s=0.0, **settings)
+    first = [Request(rid, 0.0, 400, 10) for rid in range(60)]
+    second = [Request(60 + rid, 1.5, 400, 10) for rid in range(30)]
+    for r in first:
+        core.add(r)
+    added = False
+    while core.scheduler.has_work() or not added:
+        if not added and clock.now_s >= 1.5:
+            for r in second:
+                core.add(r)
+            added = True
+        step_with(core, clock, backend, lambda b, s: 0.05)
+    assert all(r.state.value == "finished" for r in first + second)
+    return first, second
+
+
 def test_requests_that_missed_the_ttft_slo_wait_behind_those_that_can_meet_it():
-    """Overload: 60 requests arrive at 0 s, 30 more at 1.5 s, the TTFT SLO is 1 s. Once the
-    first ones have missed it, the newer ones (which still can meet it) are admitted first;
-    the late ones after them, FCFS, none dropped. Static policies serve FCFS."""
-
-    def serve(policy):
-        core, clock, backend = make_core(policy, budget_mib=400, ttft_slo_s=1.0, min_dwell_s=0.0)
-        first = [Request(rid, 0.0, 400, 10) for rid in range(60)]
-        second = [Request(60 + rid, 1.5, 400, 10) for rid in range(30)]
-        for r in first:
-            core.add(r)
-        added = False
-        while core.scheduler.has_work() or not added:
-            if not added and clock.now_s >= 1.5:
-                for r in second:
-                    core.add(r)
-                added = True
-            step_with(core, clock, backend, lambda b, s: 0.05)
-        assert all(r.state.value == "finished" for r in first + second)
-        return first, second
-
-    first, second = serve("pagedweight")
+    """Once the first wave has missed the TTFT SLO, the second (which still can meet it) is
+    admitted first; the late ones after them, FCFS, none dropped. Static policies serve FCFS."""
+    first, second = serve_two_waves("pagedweight")
     late = [r for r in first if r.first_scheduled_s > 1.5]
     assert late, "the test needs requests still waiting when the second wave arrives"
     assert max(r.first_scheduled_s for r in second) <= min(r.first_scheduled_s for r in late)
     assert [r.request_id for r in sorted(late, key=lambda r: r.first_scheduled_s)] == [r.request_id for r in late]
-    first, second = serve("static-int8")
+    first, second = serve_two_waves("static-int8")
     assert max(r.first_scheduled_s for r in first) <= min(r.first_scheduled_s for r in second)
 
 
@@ -538,31 +539,14 @@ def test_step_shape_fit_learns_a_steps_time_from_its_shape():
 
 
 def test_a_cap_on_the_wait_of_late_requests_serves_them_again_in_arrival_order():
-    """The same overload as above with ``late_wait_max_s``: a late request waits behind the
-    on-time ones no longer than the cap since its arrival, then goes ahead of them; without
-    the cap the first wave's late requests all wait for the second wave."""
-
-    def serve(cap_s):
-        core, clock, backend = make_core("pagedweight", budget_mib=400, ttft_slo_s=1.0, min_dwell_s=0.0)
-        core.controller.settings = replace(core.controller.settings, late_wait_max_s=cap_s)
-        first = [Request(rid, 0.0, 400, 10) for rid in range(60)]
-        second = [Request(60 + rid, 1.5, 400, 10) for rid in range(30)]
-        for r in first:
-            core.add(r)
-        added = False
-        while core.scheduler.has_work() or not added:
-            if not added and clock.now_s >= 1.5:
-                for r in second:
-                    core.add(r)
-                added = True
-            step_with(core, clock, backend, lambda b, s: 0.05)
-        assert all(r.state.value == "finished" for r in first + second)
-        return first, second
-
-    first, second = serve(None)
+    """The same overload with ``late_wait_max_s``: a late request waits behind the on-time ones
+    no longer than the cap since its arrival, then goes ahead of them; without the cap the
+    first wave's late requests all wait for the second wave."""
+    first, second = serve_two_waves("pagedweight")
     late = [r for r in first if r.first_scheduled_s > 1.5]
     assert late and max(r.first_scheduled_s for r in second) <= min(r.first_scheduled_s for r in late)
-    first, second = serve(1.6)  # past 1.6 s of waiting, the first wave goes ahead again
+    # Past 1.6 s of waiting, the first wave goes ahead again.
+    first, second = serve_two_waves("pagedweight", late_wait_max_s=1.6)
     late = [r for r in first if r.first_scheduled_s > 1.5]
     assert late, "the test needs first-wave requests waiting when the second wave arrives"
     # Once overdue, the first wave's rest goes ahead of the second wave still waiting.

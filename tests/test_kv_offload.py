@@ -5,6 +5,7 @@ controller answers by comparing the two in time (``Controller.prefer_swap``)."""
 from types import SimpleNamespace
 
 import pytest
+from backends import NullBackend
 
 from pagedweight.core.kv_blocks import KvBlockAllocator
 from pagedweight.core.pool import PagePool
@@ -18,24 +19,12 @@ from pagedweight.policy.importance import synthetic_table
 MODEL = load_model("tiny-moe")
 
 
-class Backend:
-    def downgrade(self, t):
-        pass
-
-    def start_upgrade(self, t):
-        pass
-
-    def abort_upgrade(self, t):
-        pass
-
-    def poll(self):
-        pass
-
-
 def make_core(policy="pagedweight", **settings):
     cfg = CoreConfig(model=MODEL, budget_bytes=40 << 20, page_bytes=16 << 10, kv_block_tokens=8,
                      controller=ControllerSettings(**settings))  # fmt: skip
-    return RuntimeCore(cfg, policy, synthetic_table(MODEL, ("bf16", "int8", "int4"), seed=1), Backend(), lambda: 0.0)
+    return RuntimeCore(
+        cfg, policy, synthetic_table(MODEL, ("bf16", "int8", "int4"), seed=1), NullBackend(), lambda: 0.0
+    )
 
 
 def computed(tokens: int) -> Request:

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from backends import NullBackend
 
 from pagedweight.core.runtime import CoreConfig, Executed, RuntimeCore
 from pagedweight.core.scheduler import Request, SchedulerConfig
@@ -14,30 +15,13 @@ from pwsim.routing_source import ReplayRouting
 MODEL = load_model("tiny-moe")
 
 
-class Backend:
-    def __init__(self):
-        self.polls = 0
-
-    def downgrade(self, t):
-        pass
-
-    def start_upgrade(self, t):
-        pass
-
-    def abort_upgrade(self, t):
-        pass
-
-    def poll(self):
-        self.polls += 1
-
-
 def make_core(budget_mib=64, policy="static-fp16", **cfg):
     clock = [0.0]
     core = RuntimeCore(
         CoreConfig(model=MODEL, budget_bytes=budget_mib << 20, **cfg),
         policy,
         synthetic_table(MODEL, ("bf16", "int8", "int4")),
-        Backend(),
+        NullBackend(),
         clock=lambda: clock[0],
     )
     return core, clock
