@@ -22,13 +22,17 @@ request figures over the whole cluster, memory and transition counts summed over
 ``replicas`` (each replica's summary). Inter-token latencies are pooled across replicas in a
 histogram of 0.01 ms bins (percentiles to that resolution; mean and deviation exact), so that
 no process holds every token's time of an hour of cluster traffic.
+
+A replica job writes its tables with their ``replica`` column and sends back its summary, the
+figures of its requests as arrays (``RequestColumns``) and its ITL histogram: the parent never
+rewrites a table row (the results writer concatenates the replicas' files) nor unpickles a
+request object.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
 import time
 from pathlib import Path
 
@@ -39,8 +43,8 @@ from pagedweight.config.run import ScenarioRun
 from pagedweight.config.scenario import LoadedScenario
 from pagedweight.core.scheduler import Request
 from pagedweight.policy.policies import PolicyInfeasible
-from pagedweight.results.metrics import PERCENTILES, summarize
-from pagedweight.results.writer import OPTIONAL_TABLES, TABLES, policy_summary, write_policy_tables
+from pagedweight.results.metrics import PERCENTILES, RequestColumns, summarize_columns
+from pagedweight.results.writer import policy_summary, write_policy_tables
 from pagedweight.workload.traces import RequestTrace
 from pwsim.engine import replay_arrivals, run_until
 from pwsim.router import RequestRouter
@@ -95,8 +99,8 @@ def _itl_histogram(requests: list[Request], batch: int = 4096) -> dict:
 
 
 def _replica_result(eng, policy: str, replica: int, ids: np.ndarray | None, parts_dir: Path, run, wall0) -> dict:
-    """A replica's summary and tables (in ``parts_dir``); its requests go back without their
-    token times (the ITL histogram keeps what the cluster's summary needs)."""
+    """A replica's summary and tables (in ``parts_dir``, with the replica's column); its requests
+    go back as ``RequestColumns``, their token times as the ITL histogram."""
     wall_s = time.perf_counter() - wall0
     if hasattr(eng, "ranks"):
         from pwsim.parallel import ep_summary, write_ep_tables
@@ -109,13 +113,11 @@ def _replica_result(eng, policy: str, replica: int, ids: np.ndarray | None, part
         for r in eng.requests:
             r.request_id = int(ids[r.request_id])
     if hasattr(eng, "ranks"):
-        write_ep_tables(parts_dir, policy, eng)
+        write_ep_tables(parts_dir, policy, eng, replica)
     else:
-        write_policy_tables(parts_dir, policy, eng.requests, eng.core)
+        write_policy_tables(parts_dir, policy, eng.requests, eng.core, replica)
     itl = _itl_histogram(eng.requests)
-    for r in eng.requests:
-        r.token_times_s = r.token_times_s[:0]
-    return {"summary": summary, "parts_dir": str(parts_dir), "requests": eng.requests, "itl": itl}
+    return {"summary": summary, "parts_dir": str(parts_dir), "requests": RequestColumns.of(eng.requests), "itl": itl}
 
 
 def simulate_replica(
@@ -166,29 +168,10 @@ def simulate_routed_cluster(loaded: LoadedScenario, run: ScenarioRun, policy: st
 
 
 # ---- joining the replicas ---------------------------------------------------------------------
-def join_replica_tables(parts: list[Path], out_dir: Path) -> None:
-    """Each table of the replicas' parts, with a ``replica`` column after ``policy``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in TABLES + OPTIONAL_TABLES:
-        files = [(i, p / f"{name}.csv") for i, p in enumerate(parts) if (p / f"{name}.csv").is_file()]
-        if not files:
-            continue
-        with (out_dir / f"{name}.csv").open("w") as dst:
-            for k, (i, path) in enumerate(files):
-                with path.open() as src:
-                    header = src.readline()
-                    if k == 0:
-                        policy, rest = header.split(",", 1)
-                        dst.write(f"{policy},replica,{rest}")
-                    for line in src:
-                        policy, rest = line.split(",", 1)
-                        dst.write(f"{policy},{i},{rest}")
-
-
 def cluster_summary(results: list[dict], loaded: LoadedScenario, run: ScenarioRun, wall_s: float) -> dict:
     """The cluster's summary from its replicas' results (see the module docstring)."""
-    requests = sorted((r for res in results for r in res["requests"]), key=lambda r: r.request_id)
-    s = summarize(requests, run.slo)
+    requests = RequestColumns.concat([res["requests"] for res in results])
+    s = summarize_columns(requests, run.slo, np.empty(0))
     _itl_stats(s, [res["itl"] for res in results])
     reps = [res["summary"] for res in results]
     weights: dict[str, dict] = {}
@@ -268,11 +251,7 @@ def run_cluster(loaded: LoadedScenario, run: ScenarioRun, names: list[str], writ
         if errors:
             writer.add_error(name, errors[0])
             continue
-        joined = root / f"policy{p}"
-        join_replica_tables([Path(r["parts_dir"]) for r in mine], joined)
-        for r in mine:
-            shutil.rmtree(r["parts_dir"], ignore_errors=True)
-        writer.add_parts(name, joined, cluster_summary(mine, loaded, run, wall_s))
+        writer.add_parts(name, [Path(r["parts_dir"]) for r in mine], cluster_summary(mine, loaded, run, wall_s))
 
 
 def _line(index: int, r) -> str:

@@ -58,7 +58,7 @@ from pagedweight.errors import PagedWeightError
 from pagedweight.policy.controller import DOWNGRADE
 from pagedweight.policy.importance import ImportanceTable
 from pagedweight.results.metrics import Slo, StepRecorder
-from pagedweight.results.writer import _write_requests, _write_steps, policy_summary
+from pagedweight.results.writer import _write_requests, _write_steps, label_rows, policy_summary
 from pagedweight.workload.traces import RequestTrace
 from pwsim.engine import SimEngine, replay_arrivals, run_until
 from pwsim.router import RequestRouter
@@ -466,11 +466,12 @@ def ep_summary(eng: EpEngine, slo: Slo, wall_s: float) -> dict:
     return s
 
 
-def write_ep_tables(parts_dir: Path, policy: str, eng: EpEngine) -> None:
-    """The replica's tables (see the module docstring) as CSV files in ``parts_dir``."""
+def write_ep_tables(parts_dir: Path, policy: str, eng: EpEngine, replica: int | None = None) -> None:
+    """The replica's tables (see the module docstring) as CSV files in ``parts_dir``; with
+    ``replica`` (a cluster's), a ``replica`` column after ``policy``."""
     parts_dir.mkdir(parents=True, exist_ok=True)
-    _write_steps(parts_dir / "steps.csv", policy, eng.replica_steps())
-    _write_requests(parts_dir / "requests.csv", policy, eng.requests)
+    _write_steps(parts_dir / "steps.csv", policy, eng.replica_steps(), replica)
+    _write_requests(parts_dir / "requests.csv", policy, eng.requests, replica)
     num_experts = eng.model.num_experts
     transitions, initial = [], []
     for i, r in enumerate(eng.ranks):
@@ -493,14 +494,14 @@ def write_ep_tables(parts_dir: Path, policy: str, eng: EpEngine) -> None:
     tdf = tdf.sort_values("time_s", kind="stable")
     idf = pd.concat(initial).sort_values("expert", kind="stable")
     for name, df in (("transitions", tdf), ("initial_precisions", idf)):
-        df.insert(0, "policy", policy)
+        label_rows(df, policy, replica)
         df.to_csv(parts_dir / f"{name}.csv", index=False)
     with (parts_dir / "steps_by_rank.csv").open("w", newline="") as f:
         for i, r in enumerate(eng.ranks):
             df = pd.DataFrame(r.core.steps.columns())
             df.insert(0, "rank", i)
-            df.insert(0, "policy", policy)
+            label_rows(df, policy, replica)
             df.to_csv(f, index=False, header=i == 0)
     df = pd.DataFrame(eng.ep_step_columns())
-    df.insert(0, "policy", policy)
+    label_rows(df, policy, replica)
     df.to_csv(parts_dir / "ep_steps.csv", index=False)

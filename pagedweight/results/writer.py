@@ -164,8 +164,11 @@ TABLES = ("requests", "steps", "transitions", "initial_precisions")
 OPTIONAL_TABLES = ("steps_by_rank", "ep_steps")
 
 
-def write_policy_tables(parts_dir: Path, policy: str, requests: list[Request], core: RuntimeCore) -> None:
-    """One policy's rows of the four tables, as CSV files (with header) in ``parts_dir``.
+def write_policy_tables(
+    parts_dir: Path, policy: str, requests: list[Request], core: RuntimeCore, replica: int | None = None
+) -> None:
+    """One policy's rows of the four tables, as CSV files (with header) in ``parts_dir``; with
+    ``replica`` (a cluster's), a ``replica`` column after ``policy``.
 
     A run writes each policy's tables as soon as the policy is done and the writer joins them
     at the end, so no process holds more than one policy's rows (an hour of long context is
@@ -173,8 +176,8 @@ def write_policy_tables(parts_dir: Path, policy: str, requests: list[Request], c
     parts_dir.mkdir(parents=True, exist_ok=True)
     ids = np.asarray(core.setup.initial_ids)
     experts = np.arange(len(ids))
-    _write_steps(parts_dir / "steps.csv", policy, core.steps.columns())
-    _write_requests(parts_dir / "requests.csv", policy, requests)
+    _write_steps(parts_dir / "steps.csv", policy, core.steps.columns(), replica)
+    _write_requests(parts_dir / "requests.csv", policy, requests, replica)
     frames = (
         ("transitions", lambda: pd.DataFrame([t.row() for t in core.transitions], columns=TRANSITION_COLUMNS)),
         (
@@ -190,21 +193,32 @@ def write_policy_tables(parts_dir: Path, policy: str, requests: list[Request], c
     )
     for name, make in frames:  # one table in memory at a time
         df = make()
-        df.insert(0, "policy", policy)
+        label_rows(df, policy, replica)
         df.to_csv(parts_dir / f"{name}.csv", index=False)
 
 
-def _write_steps(path: Path, policy: str, columns: dict[str, np.ndarray], rows_per_write: int = 100_000) -> None:
+def label_rows(df: pd.DataFrame, policy: str, replica: int | None = None) -> None:
+    """The leading columns of every table: ``policy``, and a cluster's ``replica``."""
+    if replica is not None:
+        df.insert(0, "replica", replica)
+    df.insert(0, "policy", policy)
+
+
+def _write_steps(
+    path: Path, policy: str, columns: dict[str, np.ndarray], replica: int | None = None, rows_per_write: int = 100_000
+) -> None:
     """The step table in slices: a DataFrame of every step would copy the whole table again."""
     num_rows = len(next(iter(columns.values())))
     with path.open("w", newline="") as f:
         for start in range(0, max(num_rows, 1), rows_per_write):
             df = pd.DataFrame({c: a[start : start + rows_per_write] for c, a in columns.items()})
-            df.insert(0, "policy", policy)
+            label_rows(df, policy, replica)
             df.to_csv(f, index=False, header=start == 0)
 
 
-def _write_requests(path: Path, policy: str, requests: list[Request], rows_per_write: int = 20_000) -> None:
+def _write_requests(
+    path: Path, policy: str, requests: list[Request], replica: int | None = None, rows_per_write: int = 20_000
+) -> None:
     """The request table in slices (a dict per request for an hour of traffic is ~100 MB).
     Only float columns can differ in type between slices (None or not), and pandas prints a
     float the same either way, so the file is the one a single table would give."""
@@ -213,7 +227,7 @@ def _write_requests(path: Path, policy: str, requests: list[Request], rows_per_w
             df = pd.DataFrame(request_rows(requests[start : start + rows_per_write]))
             if df.empty:
                 df = pd.DataFrame(columns=REQUEST_COLUMNS)
-            df.insert(0, "policy", policy)
+            label_rows(df, policy, replica)
             df.to_csv(f, index=False, header=start == 0)
 
 
@@ -263,10 +277,11 @@ class ResultsWriter:
         write_policy_tables(parts, policy, requests, core)
         self.add_parts(policy, parts, summary)
 
-    def add_parts(self, policy: str, parts_dir: Path, summary: dict) -> None:
-        """A policy whose tables ``write_policy_tables`` wrote to ``parts_dir``."""
+    def add_parts(self, policy: str, parts_dir: Path | list[Path], summary: dict) -> None:
+        """A policy whose tables ``write_policy_tables`` wrote to ``parts_dir`` (or to each of
+        a list of folders, joined in that order: a cluster's replicas)."""
         self.meta["policies"][policy] = summary
-        self._parts.append(Path(parts_dir))
+        self._parts += [Path(d) for d in parts_dir] if isinstance(parts_dir, list) else [Path(parts_dir)]
 
     def write(self, scenario_yaml: str | None = None) -> dict:
         out = self.out_dir
