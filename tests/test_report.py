@@ -254,3 +254,24 @@ def test_step_table_is_read_compactly_with_the_same_values(tmp_path, monkeypatch
     for c in want.columns[1:]:
         assert np.array_equal(got[c].to_numpy(), want[c].to_numpy()), c
     assert got["kv_pages"].dtype == np.int32 and got["policy"].dtype == "category"
+
+
+def test_cdf_of_many_values_is_drawn_through_a_bounded_number_of_ranks():
+    """A cluster's hour is ~800,000 requests a policy: the CDF line keeps CDF_POINTS ranks, and
+    its ends are the exact minimum (at 1/n) and maximum (at 1)."""
+    from matplotlib.figure import Figure
+
+    from pagedweight.results.report_plots import CDF_POINTS, _cdf
+
+    rng = np.random.default_rng(0)
+    for n in (10, CDF_POINTS, 200_000):
+        values = np.concatenate([rng.lognormal(5.0, 1.0, n), [np.nan, np.inf]])
+        ax = Figure().subplots()
+        _cdf(ax, values)
+        x, y = ax.lines[0].get_data()
+        finite = np.sort(values[np.isfinite(values)])
+        assert len(x) == min(n, CDF_POINTS)
+        assert x[0] == finite[0] and y[0] == 1 / n and x[-1] == finite[-1] and y[-1] == 1.0
+        assert np.all(np.diff(x) >= 0) and np.all(np.diff(y) > 0)
+        # Every drawn point lies on the exact CDF.
+        np.testing.assert_array_equal(finite[np.round(y * n).astype(int) - 1], x)

@@ -196,10 +196,19 @@ def precision_map_figure(run: RunResults, out_png: Path, num_times: int = 400) -
     return save_png(fig, out_png)
 
 
+CDF_POINTS = 4096
+
+
 def _cdf(ax: Axes, values: np.ndarray, **kw) -> None:
+    """The empirical CDF as a step line. Past ``CDF_POINTS`` values it is drawn through that many
+    evenly spaced ranks and the last (a step of at most 1/4096 of the axis, under a pixel of
+    the figure), so that a cluster's hour (~800,000 requests a policy) draws in milliseconds."""
     v = np.sort(values[np.isfinite(values)])
-    if len(v):
-        ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", **kw)
+    n = len(v)
+    if not n:
+        return
+    ranks = np.arange(n) if n <= CDF_POINTS else np.unique(np.linspace(0, n - 1, CDF_POINTS).astype(np.int64))
+    ax.step(v[ranks], (ranks + 1) / n, where="post", **kw)
 
 
 def _log_if_wide(ax: Axes) -> bool:
