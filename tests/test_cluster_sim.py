@@ -139,3 +139,32 @@ def test_cluster_scenario_runs_on_the_azure_trace(tmp_path):
     s = meta["policies"]["pagedweight"]
     assert len(s["replicas"]) == 16 and s["completed"] == s["num_requests"] > 16 * 5
     assert meta["cluster"] == {"replicas": 16, "router": "round-robin"}
+
+
+def test_itl_histogram_counts_and_sums_every_gap():
+    """The histogram holds every gap of every request (unfinished ones too) in its bin, and its
+    sums are those of the gaps added up ``batch`` requests at a time, bit for bit."""
+    from pagedweight.core.scheduler import Request
+    from pwsim.cluster import ITL_BIN_MS, ITL_NUM_BINS, _itl_histogram
+
+    rng = np.random.default_rng(5)
+    reqs = []
+    for i in range(50):
+        r = Request(i, float(i), 10, 8)
+        r.token_times_s.extend((np.cumsum(rng.exponential(0.04, int(rng.integers(0, 8)))) + i).tolist())
+        reqs.append(r)
+    for batch in (1, 3, 4096):
+        h = _itl_histogram(reqs, batch=batch)
+        total = total_sq = 0.0
+        for start in range(0, len(reqs), batch):
+            part = reqs[start : start + batch]
+            gaps = [np.diff(np.asarray(r.token_times_s)) for r in part if len(r.token_times_s) > 1]
+            if gaps:
+                ms = np.concatenate(gaps) * 1e3
+                total += float(ms.sum())
+                total_sq += float((ms * ms).sum())
+        every = np.concatenate([np.diff(np.asarray(r.token_times_s)) * 1e3 for r in reqs])
+        assert h["n"] == len(every) and h["sum"] == total and h["sum_sq"] == total_sq
+        bins = np.minimum((every / ITL_BIN_MS).astype(np.int64), ITL_NUM_BINS - 1)
+        expected = np.bincount(bins, minlength=ITL_NUM_BINS)
+        np.testing.assert_array_equal(h["counts"], expected)

@@ -156,3 +156,21 @@ def test_summary_from_arrays_matches_the_request_rows():
     assert s["mean_tpot_ms"] == float(tpot[~np.isnan(tpot)].mean())
     itl = np.concatenate([np.diff(np.asarray(r.token_times_s)) * 1e3 for r in reqs])
     assert s["mean_itl_ms"] == float(itl.mean()) and s["std_itl_ms"] == float(itl.std())
+
+
+def test_inter_token_gaps_pool_each_requests_own_gaps_in_order():
+    """Joined a chunk of requests at a time, the gaps are each request's own, in request order,
+    bit for bit the per-request difference: whatever the chunk, with one-token and empty
+    requests between, and with token times held as a list (the engine) or an array."""
+    from pagedweight.results.metrics import inter_token_ms
+
+    rng = np.random.default_rng(3)
+    reqs = []
+    for i in range(300):
+        times = np.cumsum(rng.exponential(0.05, int(rng.integers(0, 9)))) + i
+        reqs.append(finished(i, float(i), times.tolist()) if len(times) else Request(i, float(i), 10, 4))
+    reqs[7].token_times_s = list(reqs[7].token_times_s)
+    expected = np.concatenate([np.diff(np.asarray(r.token_times_s, dtype=np.float64)) * 1e3 for r in reqs])
+    for chunk in (1, 2, 7, 64, 16_384):
+        np.testing.assert_array_equal(inter_token_ms(reqs, chunk=chunk), expected)
+    assert len(inter_token_ms([])) == 0

@@ -120,20 +120,27 @@ def _floats(values) -> np.ndarray:
     return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
 
 
-def _inter_token_ms(done: list[Request]) -> np.ndarray:
-    """Gaps between consecutive tokens of each request, pooled in request order, filled into
-    one array (a list of per-request arrays and their concatenation cost twice the memory)."""
-    times = [r.token_times_s for r in done]
-    out = np.empty(sum(max(len(t) - 1, 0) for t in times))
+def inter_token_ms(requests: list[Request], chunk: int = 16_384) -> np.ndarray:
+    """Gaps between consecutive tokens of each request, pooled in request order, into one array.
+    ``chunk`` requests at a time are joined and differenced in a few numpy calls (a few calls
+    per request cost a second an hour of a busy replica), the gaps across two requests dropped."""
+    times = [t for t in (r.token_times_s for r in requests) if len(t) > 1]
+    lengths = np.fromiter(map(len, times), dtype=np.int64, count=len(times))
+    out = np.empty(int(lengths.sum()) - len(times))
     pos = 0
-    for t in times:
-        k = len(t) - 1
-        if k > 0:
-            a = np.frombuffer(t, dtype=np.float64) if isinstance(t, array) else np.asarray(t, dtype=np.float64)
-            gap = out[pos : pos + k]
-            np.subtract(a[1:], a[:-1], out=gap)
-            gap *= 1e3
-            pos += k
+    for start in range(0, len(times), chunk):
+        part = times[start : start + chunk]
+        if all(isinstance(t, array) and t.typecode == "d" for t in part):
+            flat = np.frombuffer(b"".join(part), dtype=np.float64)
+        else:
+            flat = np.concatenate([np.asarray(t, dtype=np.float64) for t in part])
+        gaps = np.diff(flat)
+        keep = np.ones(len(gaps), dtype=bool)
+        keep[np.cumsum(lengths[start : start + chunk])[:-1] - 1] = False  # last token -> next request
+        k = len(gaps) - len(part) + 1
+        out[pos : pos + k] = gaps[keep]  # (np.compress into ``out`` was 3x slower)
+        out[pos : pos + k] *= 1e3
+        pos += k
     return out
 
 
@@ -184,7 +191,7 @@ class RequestColumns:
 def summarize(requests: list[Request], slo: Slo = Slo(), steps: dict[str, np.ndarray] | None = None) -> dict:
     """The run's summary. ``steps`` (``StepRecorder.columns()``) adds KV usage figures."""
     done = [r for r in requests if r.state is FINISHED]
-    return summarize_columns(RequestColumns.of(requests), slo, _inter_token_ms(done), steps)
+    return summarize_columns(RequestColumns.of(requests), slo, inter_token_ms(done), steps)
 
 
 def summarize_columns(
