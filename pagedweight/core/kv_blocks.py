@@ -9,8 +9,9 @@ The pool (``pagedweight.core.pool``) owns the pages; this module owns what is in
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import islice, repeat
 
 import numpy as np
 
@@ -86,6 +87,7 @@ class KvBlockAllocator:
         # blocks) or a ``_RetiredRun`` of blocks; ``_num_evictable`` counts the blocks.
         self._evictable: OrderedDict[int | _RetiredRun, None] = OrderedDict()
         self._num_evictable = 0
+        self._num_runs = 0  # ``_RetiredRun`` entries: with none, evictions are taken in bulk
         # Evictable blocks per page, kept only with several blocks a page (with one, a page is
         # evictable exactly when its block is).
         self._evictable_in_page = np.zeros(pool.num_pages, dtype=np.int32)
@@ -247,6 +249,7 @@ class KvBlockAllocator:
             idle = block_ids[num_dead - 1 :: -1]
             if self.blocks_per_page == 1:
                 self._evictable[_RetiredRun(idle)] = None
+                self._num_runs += 1
                 self._num_evictable += len(idle)
                 self.num_used_blocks -= len(idle)
                 self.pool.transfer_list(idle, OWNER_KV, OWNER_KV_CACHED)
@@ -492,6 +495,11 @@ class KvBlockAllocator:
         in order, as pieces ``(from a retired run, blocks)``. Usually one block (a decode crossing
         into a new block once the cache fills the memory), or a slice of a retired run."""
         evictable = self._evictable
+        if not self._num_runs:  # blocks only (a trace with hash_ids): one slice, popped in C
+            head = list(islice(evictable, num_blocks))
+            deque(map(evictable.pop, head), maxlen=0)
+            self._num_evictable -= num_blocks
+            return [(False, head)]
         pieces: list[tuple[bool, list[int]]] = []
         singles: list[int] = []
         left = num_blocks
@@ -504,6 +512,7 @@ class KvBlockAllocator:
                 blocks, start = entry.blocks, entry.start
                 if start + left >= len(blocks):
                     evictable.popitem(last=False)
+                    self._num_runs -= 1
                     taken = blocks[start:] if start else blocks
                 else:
                     taken = blocks[start : start + left]
@@ -535,20 +544,15 @@ class KvBlockAllocator:
             if from_run:  # retired blocks: no key, each a ghost slot no lookup can hit (see _forget)
                 if ghosts is not None:
                     ghosts.newer_anonymous += len(blocks)
-            elif ghosts is None:
-                for block in blocks:
-                    key = by_block.pop(block, None)
-                    if key is not None:  # a retired block has none
-                        del by_key[key]
-            else:  # their keys become ghosts (core/reuse.py): one dict store each
-                evicted = ghosts.newer
-                for block in blocks:
-                    key = by_block.pop(block, None)
-                    if key is None:
-                        ghosts.newer_anonymous += 1
-                    else:
-                        del by_key[key]
-                        evicted[key] = None
+            else:  # the blocks' keys are forgotten, in C loops (a retired block has none)
+                keys = list(map(by_block.pop, blocks, repeat(None)))
+                anonymous = keys.count(None)
+                if anonymous:
+                    keys = [k for k in keys if k is not None]
+                deque(map(by_key.__delitem__, keys), maxlen=0)
+                if ghosts is not None:  # they become ghosts (core/reuse.py), in eviction order
+                    ghosts.newer_anonymous += anonymous
+                    ghosts.newer.update(dict.fromkeys(keys))
         if ghosts is not None and len(ghosts.newer) + ghosts.newer_anonymous >= ghosts.capacity:
             ghosts.age()
         num_blocks = len(out)
