@@ -120,7 +120,7 @@ def _floats(values) -> np.ndarray:
     return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
 
 
-def inter_token_ms(requests: list[Request], chunk: int = 16_384) -> np.ndarray:
+def inter_token_ms(requests: list[Request], chunk: int = 4096) -> np.ndarray:
     """Gaps between consecutive tokens of each request, pooled in request order, into one array.
     ``chunk`` requests at a time are joined and differenced in a few numpy calls (a few calls
     per request cost a second an hour of a busy replica), the gaps across two requests dropped."""
