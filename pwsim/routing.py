@@ -67,7 +67,7 @@ class UniformStream:
     a list ~0.04). The RNG must be this stream's alone from then on."""
 
     def __init__(self, rng: np.random.Generator, block: int = UNIFORM_BLOCK):
-        self.rng = rng  # the sampler's own: it draws ahead from it (UniformStream)
+        self.rng = rng  # this stream's alone: values are drawn ahead, a block at a time
         self.block = block
         self._array = np.zeros(0)
         self._list: list[float] = []

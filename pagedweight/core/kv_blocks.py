@@ -536,7 +536,6 @@ class KvBlockAllocator:
     def _reuse(self, pieces: list[tuple[bool, list[int]]]) -> list[int]:
         """Evict the blocks of ``pieces``, just taken out of the evictable set (``_take_lru``'s
         form), and hand them out in place, in order."""
-        by_key, by_block = self._block_of_key, self._key_of_block
         ghosts = self.ghosts
         out: list[int] = []
         for from_run, blocks in pieces:
@@ -544,15 +543,12 @@ class KvBlockAllocator:
             if from_run:  # retired blocks: no key, each a ghost slot no lookup can hit (see _forget)
                 if ghosts is not None:
                     ghosts.newer_anonymous += len(blocks)
-            else:  # the blocks' keys are forgotten, in C loops (a retired block has none)
-                keys = list(map(by_block.pop, blocks, repeat(None)))
-                anonymous = keys.count(None)
-                if anonymous:
-                    keys = [k for k in keys if k is not None]
-                deque(map(by_key.__delitem__, keys), maxlen=0)
+            else:
+                keys = self._forget_keys(blocks)
                 if ghosts is not None:  # they become ghosts (core/reuse.py), in eviction order
+                    anonymous = keys.count(None)
                     ghosts.newer_anonymous += anonymous
-                    ghosts.newer.update(dict.fromkeys(keys))
+                    ghosts.newer.update(dict.fromkeys([k for k in keys if k is not None] if anonymous else keys))
         if ghosts is not None and len(ghosts.newer) + ghosts.newer_anonymous >= ghosts.capacity:
             ghosts.age()
         num_blocks = len(out)
@@ -571,6 +567,13 @@ class KvBlockAllocator:
                 to_kv.append(page)
         self._move_pages(to_kv, OWNER_KV_CACHED, OWNER_KV)
         return out
+
+    def _forget_keys(self, blocks: list[int]) -> list[int | None]:
+        """Evicted blocks' keys are forgotten, in C loops (``map`` over the dicts' methods, not
+        a Python step per block); returns each block's key in order (None: a retired block)."""
+        keys = list(map(self._key_of_block.pop, blocks, repeat(None)))
+        deque(map(self._block_of_key.__delitem__, [k for k in keys if k is not None] if None in keys else keys), 0)
+        return keys
 
     def _reclaim_pages(self, num_pages: int) -> None:
         """Free up to ``num_pages`` whole ``OWNER_KV_CACHED`` pages for another claimant, the
@@ -604,7 +607,7 @@ class KvBlockAllocator:
         used blocks (as ``_forget`` would, one after another) and free their pages."""
         if num_blocks <= 0:
             return
-        by_key, by_block, ghosts = self._block_of_key, self._key_of_block, self.ghosts
+        ghosts = self.ghosts
         freed: list[int] = []
         for from_run, blocks in self._take_lru(num_blocks):
             freed.extend(blocks)
@@ -612,11 +615,9 @@ class KvBlockAllocator:
                 if ghosts is not None:
                     ghosts.add_anonymous(len(blocks))
                 continue
-            for block in blocks:
-                key = by_block.pop(block, None)
-                if key is not None:  # a retired block has none
-                    del by_key[key]
-                if ghosts is not None:
+            keys = self._forget_keys(blocks)
+            if ghosts is not None:  # one at a time: the list ages exactly where it fills
+                for key in keys:
                     if key is None:
                         ghosts.add_anonymous(1)
                     else:

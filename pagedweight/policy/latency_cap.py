@@ -142,10 +142,6 @@ class StepShapeFit:
         a0, b, c = self._coef
         return a0, b * 1e-3, c * 1e-2
 
-    def predict_s(self, prefill_tokens: int, decodes: int) -> float:
-        a0, b, c = self._coef
-        return a0 + b * prefill_tokens * 1e-3 + c * decodes * 1e-2
-
 
 def solve_symmetric3(
     m: tuple[float, float, float, float, float, float], rhs: tuple[float, float, float]
