@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from pagedweight.core.scheduler import FINISHED, REJECTED, Request
 from pagedweight.errors import ConfigError
-from pagedweight.results.metrics import Slo, request_rows, summarize
+from pagedweight.results.metrics import Slo, request_table, summarize
 from pagedweight.results.writer import atomic_write_csv, atomic_write_text
 from pagedweight.workload.build import scale_rate, truncate_to_context
 from pagedweight.workload.traces import (
@@ -143,7 +142,7 @@ def replay(trace_path: str | Path, url: str, out_dir: str | Path, rate_scale: fl
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    df = pd.DataFrame(request_rows(requests))
+    df = request_table(requests)
     df.insert(0, "policy", policy)
     atomic_write_csv(df, out / "requests.csv")
     atomic_write_text(out / "summary.json", json.dumps(meta, indent=2) + "\n")

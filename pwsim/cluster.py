@@ -99,22 +99,21 @@ def _replica_result(eng, policy: str, replica: int, ids: np.ndarray | None, part
     """A replica's summary and tables (in ``parts_dir``, with the replica's column); its requests
     go back as ``RequestColumns``, their token times as the ITL histogram."""
     wall_s = time.perf_counter() - wall0
+    if ids is not None:  # the cluster's request ids (no figure of the summary depends on them)
+        for r in eng.requests:
+            r.request_id = int(ids[r.request_id])
+    columns = RequestColumns.of(eng.requests)
     if hasattr(eng, "ranks"):
         from pwsim.parallel import ep_summary, write_ep_tables
 
         summary = ep_summary(eng, run.slo, wall_s)
-    else:
-        summary = policy_summary(eng.requests, eng.core, run.slo, wall_s, eng.bytes_h2d)
-    summary["replica"] = replica
-    if ids is not None:
-        for r in eng.requests:
-            r.request_id = int(ids[r.request_id])
-    if hasattr(eng, "ranks"):
         write_ep_tables(parts_dir, policy, eng, replica)
     else:
+        summary = policy_summary(eng.requests, eng.core, run.slo, wall_s, eng.bytes_h2d, columns)
         write_policy_tables(parts_dir, policy, eng.requests, eng.core, replica)
+    summary["replica"] = replica
     itl = _itl_histogram(eng.requests)
-    return {"summary": summary, "parts_dir": str(parts_dir), "requests": RequestColumns.of(eng.requests), "itl": itl}
+    return {"summary": summary, "parts_dir": str(parts_dir), "requests": columns, "itl": itl}
 
 
 def simulate_replica(

@@ -4,11 +4,13 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedweight.core.kv_blocks import KvBlockAllocator
 from pagedweight.core.pool import OWNER_KV, PagePool, weight_owner
 from pagedweight.core.scheduler import FINISHED, REJECTED, Request
-from pagedweight.results.metrics import REQUEST_COLUMNS, Slo, StepRecorder, request_rows, summarize
+from pagedweight.results.metrics import REQUEST_COLUMNS, Slo, StepRecorder, request_table, summarize
 
 
 def finished(rid, arrival, token_times, prompt=10):
@@ -45,9 +47,22 @@ def test_single_token_requests_have_no_tpot():
     assert math.isnan(s["mean_tpot_ms"]) and s["mean_ttft_ms"] == pytest.approx(100)
 
 
-def test_request_rows_have_every_column():
-    rows = request_rows([finished(0, 0.0, [0.5, 0.6])])
-    assert tuple(rows[0]) == REQUEST_COLUMNS and rows[0]["tpot_ms"] == pytest.approx(100)
+def test_request_table_has_every_column_and_each_requests_own_figures():
+    a = finished(0, 0.25, [0.5, 0.6, 0.95])  # ttft 250, e2el 700, tpot 225
+    a.num_preemptions, a.preempted_at_s, a.cached_tokens = 2, [0.3, 0.4125], 16
+    b = Request(1, 0.5, 99, 4)
+    b.state, b.reject_reason = REJECTED, "needs 9 blocks, at most 8 can ever be free"
+    c = Request(2, 0.75, 10, 4)  # running: one token so far, no finish
+    c.first_scheduled_s, c.first_token_s, c.num_output_tokens = 0.8, 0.9, 1
+    df = request_table([a, b, c])
+    assert tuple(df.columns) == REQUEST_COLUMNS and list(df.request_id) == [0, 1, 2]
+    assert list(df.state) == [a.state.value, b.state.value, c.state.value]
+    assert df.ttft_ms[0] == (0.5 - 0.25) * 1e3 and df.e2el_ms[0] == (0.95 - 0.25) * 1e3
+    assert df.tpot_ms[0] == ((0.95 - 0.25) * 1e3 - (0.5 - 0.25) * 1e3) / 2
+    assert df.preempted_at_s[0] == "0.300000;0.412500" and df.cached_tokens[0] == 16
+    assert math.isnan(df.ttft_ms[1]) and math.isnan(df.first_scheduled_s[1]) and df.reject_reason[1] == b.reject_reason
+    assert df.ttft_ms[2] == (0.9 - 0.75) * 1e3 and math.isnan(df.e2el_ms[2]) and math.isnan(df.tpot_ms[2])
+    assert df.preempted_at_s[1] == df.reject_reason[2] == ""
 
 
 def test_step_recorder_reads_the_pool():
@@ -131,27 +146,28 @@ def test_step_table_written_in_slices_is_the_whole_table(tmp_path):
 
 
 def test_request_table_written_in_slices_is_the_whole_table(tmp_path):
-    import pandas as pd
-
+    """``_write_requests`` (our CSV writer, a slice at a time) writes the bytes of pandas'
+    ``to_csv`` of the whole table, quoting included."""
     from pagedweight.results.writer import _write_requests
 
     reqs = [finished(i, i * 0.1, [i * 0.1 + 0.5, i * 0.1 + 0.75]) for i in range(9)]
-    for i in (2, 3, 4):  # a slice of only rejected requests: its float columns are all None
+    for i in (2, 3, 4):  # a slice of only rejected requests: its time columns are all missing
         reqs[i] = Request(i, i * 0.1, 99, 1)
         reqs[i].state, reqs[i].reject_reason = REJECTED, "too long"
+    reqs[5].reject_reason = 'a reason, with a comma and "quotes"'
     _write_requests(tmp_path / "sliced.csv", "p", reqs, rows_per_write=3)
-    whole = pd.DataFrame(request_rows(reqs))
+    whole = request_table(reqs)
     whole.insert(0, "policy", "p")
     whole.to_csv(tmp_path / "whole.csv", index=False)
     assert (tmp_path / "sliced.csv").read_bytes() == (tmp_path / "whole.csv").read_bytes()
 
 
-def test_summary_from_arrays_matches_the_request_rows():
+def test_summary_from_arrays_matches_the_request_table():
     reqs = [finished(i, i * 0.37, [i * 0.37 + 0.1 * k + 0.013 for k in range(1, 2 + i % 4)]) for i in range(20)]
     s = summarize(reqs)
-    rows = request_rows(reqs)
-    ttft = np.array([r["ttft_ms"] for r in rows])
-    tpot = np.array([r["tpot_ms"] for r in rows])
+    table = request_table(reqs)
+    ttft = table["ttft_ms"].to_numpy()
+    tpot = table["tpot_ms"].to_numpy()
     assert s["mean_ttft_ms"] == float(ttft.mean()) and s["p99_ttft_ms"] == float(np.percentile(ttft, 99))
     assert s["mean_tpot_ms"] == float(tpot[~np.isnan(tpot)].mean())
     itl = np.concatenate([np.diff(np.asarray(r.token_times_s)) * 1e3 for r in reqs])
@@ -174,3 +190,35 @@ def test_inter_token_gaps_pool_each_requests_own_gaps_in_order():
     for chunk in (1, 2, 7, 64, 16_384):
         np.testing.assert_array_equal(inter_token_ms(reqs, chunk=chunk), expected)
     assert len(inter_token_ms([])) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ints=st.lists(st.integers(-(2**62), 2**62), min_size=0, max_size=30),
+    floats=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=64), min_size=30, max_size=30),
+    text=st.lists(st.one_of(st.none(), st.text(alphabet=st.sampled_from('ab ,"\n\r;é'), max_size=6)), min_size=30),
+    chunk=st.integers(1, 8),
+    header=st.booleans(),
+)
+def test_csv_writer_writes_what_pandas_writes(ints, floats, text, chunk, header):
+    """``write_csv_rows`` against pandas' ``to_csv``, byte for byte: integers, floats of any
+    exponent (NaN, infinities, subnormals), text needing quotes, missing values, booleans."""
+    import io
+
+    import pandas as pd
+
+    from pagedweight.results.writer import write_csv_rows
+
+    n = len(ints)
+    df = pd.DataFrame(
+        {
+            "i": np.asarray(ints, dtype=np.int64),
+            "f": np.asarray(floats[:n], dtype=np.float64),
+            "t": pd.Series(text[:n], dtype=object),
+            "b": np.asarray([x % 2 == 0 for x in ints], dtype=bool),
+        }
+    )
+    ours = io.StringIO()
+    write_csv_rows(ours, df, header=header, rows_per_chunk=chunk)
+    theirs = df.to_csv(index=False, header=header, lineterminator="\n")
+    assert ours.getvalue() == theirs

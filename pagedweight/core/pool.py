@@ -39,6 +39,8 @@ OWNER_TRANSITION = 3
 OWNER_KV_CACHED = 4
 _WEIGHT_BASE = 8
 NUM_OWNERS = _WEIGHT_BASE + len(PRECISION_NAMES)
+# Lists up to this long are checked for repeats with a set (cheaper than numpy calls below ~500).
+_SET_CHECK_MAX = 256
 
 
 def weight_owner(precision_id: int) -> int:
@@ -204,22 +206,35 @@ class PagePool:
         self._num_weight += n * ((to_owner >= _WEIGHT_BASE) - (from_owner >= _WEIGHT_BASE))
 
     def _checked(self, pages: np.ndarray | list[int], owner: int) -> np.ndarray:
+        """``pages`` as an int64 array, each in range, held by ``owner`` and listed once; else
+        ``PoolError`` naming the first bad page. For a list of up to ``_SET_CHECK_MAX`` pages
+        (the KV allocator's usual call, ~100 pages) that is four numpy calls and a set, where a
+        numpy call costs ~1 us whatever its size (~5 us a call of 64 pages, ~10 us before)."""
+        listed_once = False
+        if type(pages) is list:
+            n = len(pages)
+            if 1 < n <= _SET_CHECK_MAX:
+                if len(set(pages)) != n:
+                    raise PoolError("a page is listed twice in one call (double free)")
+                listed_once = True
         pages = np.asarray(pages, dtype=np.int64)
         if pages.ndim != 1:
             raise PoolError("pages must be a 1-D list of page ids")
-        if len(pages) == 0:
+        n = len(pages)
+        if n == 0:
             return pages
-        if pages.min() < 0 or pages.max() >= self.num_pages:
-            raise PoolError(f"page ids must be in [0, {self.num_pages}); got {pages.min()}..{pages.max()}")
-        held = self._owner_of[pages]
-        if (held != owner).any():
-            bad = int(pages[np.argmax(held != owner)])
+        try:  # seen unsigned, a negative id is out of range too: one bounds check, no min/max
+            held = self._owner_of[pages.view(np.uint64)]
+        except IndexError:
+            raise PoolError(f"page ids must be in [0, {self.num_pages}); got {pages.min()}..{pages.max()}") from None
+        wrong = held != owner
+        if np.count_nonzero(wrong):  # (faster than ``wrong.any()`` on short arrays)
+            bad = int(pages[np.argmax(wrong)])
             raise PoolError(
                 f"page {bad} is owned by {owner_name(int(self._owner_of[bad]))}, not {owner_name(owner)} "
                 "(double free or wrong owner)"
             )
-        n = len(pages)
-        if n > 1:
+        if n > 1 and not listed_once:
             # A page listed twice: write each position into a scratch array at its page and read
             # back; a repeated page holds its last position, so an earlier one reads another.
             # Four numpy calls: ~4 us for 640 pages, where a set of them costs ~20 us.

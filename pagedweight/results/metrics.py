@@ -1,7 +1,7 @@
 """Result records and the run summary, with vLLM ``benchmark_serving`` field names.
 
 Both runtimes write the same three tables, so one report reads either:
-- requests: one row per request (``request_rows``),
+- requests: one row per request (``request_table``),
 - steps: one row per engine step (``StepRecorder``),
 - summary: one dict per policy (``summarize``).
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from array import array
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,6 +33,9 @@ from pagedweight.core.pool import (
 )
 from pagedweight.core.scheduler import FINISHED, REJECTED, Request
 from pagedweight.core.spec import PRECISION_NAMES
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 _WEIGHT_OWNERS = slice(weight_owner(0), NUM_OWNERS)
 PERCENTILES = (("median", 50.0), ("p90", 90.0), ("p99", 99.0))
@@ -65,38 +69,49 @@ class Slo:
     e2el_ms: float | None = None
 
 
-def _ms(a: float | None, b: float | None) -> float:
-    return (a - b) * 1e3 if a is not None and b is not None else float("nan")
+def request_table(requests: list[Request]) -> pd.DataFrame:
+    """One row per request (``REQUEST_COLUMNS``), built column by column: a dict per request
+    cost ~14 us (0.65 s for a replica's 48,000 requests), the columns ~a quarter of that.
+    Missing times are NaN (printed empty); the arithmetic is the per-request one, element-wise,
+    so every figure is the same float."""
+    import pandas as pd  # here: the runtimes import this module, only tables need pandas
 
+    n = len(requests)
 
-def request_rows(requests: list[Request]) -> list[dict]:
-    rows = []
-    for r in requests:
-        ttft = _ms(r.first_token_s, r.arrival_s)
-        e2el = _ms(r.finish_s, r.arrival_s) if r.state is FINISHED else float("nan")
-        n = r.num_output_tokens
-        tpot = (e2el - ttft) / (n - 1) if r.state is FINISHED and n > 1 else float("nan")
-        rows.append(
-            {
-                "request_id": r.request_id,
-                "state": r.state.value,
-                "arrival_s": r.arrival_s,
-                "prompt_tokens": r.prompt_tokens,
-                "max_output_tokens": r.max_output_tokens,
-                "output_tokens": n,
-                "first_scheduled_s": r.first_scheduled_s,
-                "first_token_s": r.first_token_s,
-                "finish_s": r.finish_s,
-                "ttft_ms": ttft,
-                "tpot_ms": tpot,
-                "e2el_ms": e2el,
-                "num_preemptions": r.num_preemptions,
-                "preempted_at_s": ";".join(f"{t:.6f}" for t in r.preempted_at_s),
-                "reject_reason": r.reject_reason or "",
-                "cached_tokens": r.cached_tokens,
-            }
-        )
-    return rows
+    def ints(values) -> np.ndarray:
+        return np.fromiter(values, dtype=np.int64, count=n)
+
+    arrival = _floats(r.arrival_s for r in requests)
+    first_token = _floats(r.first_token_s for r in requests)
+    finish = _floats(r.finish_s for r in requests)
+    finished = np.fromiter((r.state is FINISHED for r in requests), dtype=bool, count=n)
+    outputs = ints(r.num_output_tokens for r in requests)
+    ttft = (first_token - arrival) * 1e3
+    e2el = np.where(finished, (finish - arrival) * 1e3, np.nan)
+    tpot = np.full(n, np.nan)
+    many = finished & (outputs > 1)
+    tpot[many] = (e2el[many] - ttft[many]) / (outputs[many] - 1)
+    return pd.DataFrame(
+        {
+            "request_id": ints(r.request_id for r in requests),
+            "state": [r.state.value for r in requests],
+            "arrival_s": arrival,
+            "prompt_tokens": ints(r.prompt_tokens for r in requests),
+            "max_output_tokens": ints(r.max_output_tokens for r in requests),
+            "output_tokens": outputs,
+            "first_scheduled_s": _floats(r.first_scheduled_s for r in requests),
+            "first_token_s": first_token,
+            "finish_s": finish,
+            "ttft_ms": ttft,
+            "tpot_ms": tpot,
+            "e2el_ms": e2el,
+            "num_preemptions": ints(r.num_preemptions for r in requests),
+            "preempted_at_s": [";".join(f"{t:.6f}" for t in r.preempted_at_s) for r in requests],
+            "reject_reason": [r.reject_reason or "" for r in requests],
+            "cached_tokens": ints(r.cached_tokens for r in requests),
+        },
+        columns=list(REQUEST_COLUMNS),
+    )
 
 
 def _stats(name: str, values: np.ndarray, out: dict) -> None:
@@ -188,10 +203,18 @@ class RequestColumns:
         return cls(**{f: a[order] for f, a in joined.items()})
 
 
-def summarize(requests: list[Request], slo: Slo = Slo(), steps: dict[str, np.ndarray] | None = None) -> dict:
-    """The run's summary. ``steps`` (``StepRecorder.columns()``) adds KV usage figures."""
+def summarize(
+    requests: list[Request],
+    slo: Slo = Slo(),
+    steps: dict[str, np.ndarray] | None = None,
+    columns: RequestColumns | None = None,
+) -> dict:
+    """The run's summary. ``steps`` (``StepRecorder.columns()``) adds KV usage figures;
+    ``columns``: ``RequestColumns.of(requests)`` if the caller has them already."""
     done = [r for r in requests if r.state is FINISHED]
-    return summarize_columns(RequestColumns.of(requests), slo, inter_token_ms(done), steps)
+    if columns is None:
+        columns = RequestColumns.of(requests)
+    return summarize_columns(columns, slo, inter_token_ms(done), steps)
 
 
 def summarize_columns(

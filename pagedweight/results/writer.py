@@ -17,6 +17,7 @@ half-written table that a later reader would take for a result.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -30,7 +31,9 @@ import pandas as pd
 from pagedweight.core.runtime import TRANSITION_COLUMNS, RuntimeCore
 from pagedweight.core.scheduler import Request
 from pagedweight.core.spec import PRECISION_NAMES, ladder
-from pagedweight.results.metrics import REQUEST_COLUMNS, Slo, request_rows, summarize
+from pagedweight.results.metrics import RequestColumns, Slo, request_table, summarize
+
+_CSV_SPECIAL = (",", '"', "\n", "\r")  # a field holding one is quoted
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -99,10 +102,17 @@ def weight_summary(steps: dict[str, np.ndarray], page_bytes: int) -> dict:
     return out
 
 
-def policy_summary(requests: list[Request], core: RuntimeCore, slo: Slo, wall_s: float, h2d_bytes: int) -> dict:
+def policy_summary(
+    requests: list[Request],
+    core: RuntimeCore,
+    slo: Slo,
+    wall_s: float,
+    h2d_bytes: int,
+    columns: RequestColumns | None = None,
+) -> dict:
     """``summarize`` plus what only a run with precision changes has to say."""
     steps = core.steps.columns()
-    s = summarize(requests, slo, steps)
+    s = summarize(requests, slo, steps, columns)
     # Prefill work against the prompts it served: above 1 by what preemption made it recompute
     # (prompt and generated tokens alike). 1.0 when nothing was preempted and every prompt ran.
     prefill = int(steps["num_prefill_tokens"].sum())
@@ -204,6 +214,49 @@ def label_rows(df: pd.DataFrame, policy: str, replica: int | None = None) -> Non
     df.insert(0, "policy", policy)
 
 
+def write_csv_rows(f, df: pd.DataFrame, header: bool = True, rows_per_chunk: int = 2048) -> None:
+    """``df.to_csv(f, index=False, header=header)``, the same bytes, faster on the big tables:
+    each column is formatted as pandas prints it (floats by ``repr``, the shortest string that
+    reads back the same; NaN and None empty) and the rows are joined; only where a text field
+    needs quoting does the csv module (which pandas uses) write them. pandas spent ~1 us on each
+    float (0.4 s of a cluster replica's 48,000-request table). ``rows_per_chunk`` rows are
+    formatted at a time: a string per cell of a 100,000-step slice would hold ~200 MB, of
+    8,192 steps ~30 MB."""
+    names = [str(c) for c in df.columns]
+    columns = [df[name].to_numpy() for name in df.columns]
+    if header:
+        if _needs_quotes(names):
+            csv.writer(f, lineterminator="\n").writerow(names)
+        else:
+            f.write(",".join(names) + "\n")
+    for start in range(0, len(df), rows_per_chunk):
+        cells = [_csv_text(values[start : start + rows_per_chunk]) for values in columns]
+        if any(_needs_quotes(text) for text, v in zip(cells, columns, strict=True) if v.dtype.kind == "O"):
+            csv.writer(f, lineterminator="\n").writerows(zip(*cells, strict=True))
+        else:
+            f.write("\n".join(map(",".join, zip(*cells, strict=True))))
+            f.write("\n")
+
+
+def _needs_quotes(text: list[str]) -> bool:
+    joined = "\0".join(text)  # one scan in C per special character, not one per cell
+    return any(c in joined for c in _CSV_SPECIAL)
+
+
+def _csv_text(values: np.ndarray) -> list[str]:
+    """One column's cells as pandas' ``to_csv`` prints them."""
+    kind = values.dtype.kind
+    if kind == "f":
+        text = list(map(repr, values.tolist()))
+        for i in np.flatnonzero(np.isnan(values)).tolist():
+            text[i] = ""
+        return text
+    if kind in "iub":
+        return list(map(str, values.tolist()))
+    # text (and anything else pandas prints by str), missing values empty
+    return ["" if v is None or v is pd.NA or (isinstance(v, float) and v != v) else str(v) for v in values]
+
+
 def _write_steps(
     path: Path, policy: str, columns: dict[str, np.ndarray], replica: int | None = None, rows_per_write: int = 100_000
 ) -> None:
@@ -213,22 +266,20 @@ def _write_steps(
         for start in range(0, max(num_rows, 1), rows_per_write):
             df = pd.DataFrame({c: a[start : start + rows_per_write] for c, a in columns.items()})
             label_rows(df, policy, replica)
-            df.to_csv(f, index=False, header=start == 0)
+            write_csv_rows(f, df, header=start == 0)
 
 
 def _write_requests(
-    path: Path, policy: str, requests: list[Request], replica: int | None = None, rows_per_write: int = 20_000
+    path: Path, policy: str, requests: list[Request], replica: int | None = None, rows_per_write: int = 100_000
 ) -> None:
-    """The request table in slices (a dict per request for an hour of traffic is ~100 MB).
-    Only float columns can differ in type between slices (None or not), and pandas prints a
-    float the same either way, so the file is the one a single table would give."""
+    """The request table in slices, so that a million requests never make one frame. Every
+    column has one type in every slice (missing times are NaN, printed empty), so the file is
+    the one a single table would give."""
     with path.open("w", newline="") as f:
         for start in range(0, max(len(requests), 1), rows_per_write):
-            df = pd.DataFrame(request_rows(requests[start : start + rows_per_write]))
-            if df.empty:
-                df = pd.DataFrame(columns=REQUEST_COLUMNS)
+            df = request_table(requests[start : start + rows_per_write])
             label_rows(df, policy, replica)
-            df.to_csv(f, index=False, header=start == 0)
+            write_csv_rows(f, df, header=start == 0)
 
 
 def join_csv_parts(parts: list[Path], out: Path) -> None:
