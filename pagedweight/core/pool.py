@@ -223,8 +223,10 @@ class PagePool:
         n = len(pages)
         if n == 0:
             return pages
-        try:  # seen unsigned, a negative id is out of range too: one bounds check, no min/max
-            held = self._owner_of[pages.view(np.uint64)]
+        try:  # an index past the end raises; a negative one would wrap, so it is looked for
+            held = self._owner_of[pages]
+            if pages.min() < 0:
+                raise IndexError
         except IndexError:
             raise PoolError(f"page ids must be in [0, {self.num_pages}); got {pages.min()}..{pages.max()}") from None
         wrong = held != owner
