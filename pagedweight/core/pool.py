@@ -205,6 +205,19 @@ class PagePool:
         self._count[to_owner] += n
         self._num_weight += n * ((to_owner >= _WEIGHT_BASE) - (from_owner >= _WEIGHT_BASE))
 
+    def transfer_one(self, page: int, from_owner: int, to_owner: int) -> None:
+        """``transfer`` of one page (the KV allocator's per-decode path), with its checks."""
+        if to_owner == OWNER_FREE:
+            raise PoolError("use free() to release pages")
+        if not 0 <= page < self.num_pages or self._owner_of[page] != from_owner:
+            self.transfer([page], from_owner, to_owner)  # raises, naming the page
+            return
+        self._owner_of[page] = to_owner
+        self._count[from_owner] -= 1
+        self._count[to_owner] += 1
+        if (to_owner >= _WEIGHT_BASE) != (from_owner >= _WEIGHT_BASE):
+            self._num_weight += 1 if to_owner >= _WEIGHT_BASE else -1
+
     def _checked(self, pages: np.ndarray | list[int], owner: int) -> np.ndarray:
         """``pages`` as an int64 array, each in range, held by ``owner`` and listed once; else
         ``PoolError`` naming the first bad page. For a list of up to ``_SET_CHECK_MAX`` pages
