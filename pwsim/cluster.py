@@ -42,7 +42,7 @@ import simpy
 from pagedweight.config.run import ScenarioRun
 from pagedweight.config.scenario import LoadedScenario
 from pagedweight.core.scheduler import Request
-from pagedweight.policy.policies import PolicyInfeasible
+from pagedweight.policy.policies import PolicyInfeasible, relative_run_cost
 from pagedweight.results.metrics import PERCENTILES, RequestColumns, inter_token_ms, summarize_columns
 from pagedweight.results.writer import policy_summary, write_policy_tables
 from pagedweight.workload.traces import RequestTrace
@@ -233,11 +233,23 @@ def run_cluster(loaded: LoadedScenario, run: ScenarioRun, names: list[str], writ
     for p, name in enumerate(names):
         if static:
             job_list += [
-                Job(f"{name}/{i}", simulate_replica, (loaded, run, name, i, str(root / f"c{p}" / str(i))))
+                Job(
+                    f"{name}/{i}",
+                    simulate_replica,
+                    (loaded, run, name, i, str(root / f"c{p}" / str(i))),
+                    cost=relative_run_cost(name),
+                )
                 for i in range(n)
             ]
         else:
-            job_list.append(Job(name, simulate_routed_cluster, (loaded, run, name, str(root / f"c{p}"))))
+            job_list.append(
+                Job(
+                    name,
+                    simulate_routed_cluster,
+                    (loaded, run, name, str(root / f"c{p}")),
+                    cost=relative_run_cost(name),
+                )
+            )
     wall0 = time.perf_counter()
     results = run_jobs(job_list, jobs, display, on_result=_line)
     wall_s = time.perf_counter() - wall0

@@ -41,11 +41,15 @@ EXECUTORS = ("local", "ray")
 
 @dataclass(frozen=True)
 class Job:
-    """``fn(*args, progress=callable)``: a module-level function (picklable), plain-data args."""
+    """``fn(*args, progress=callable)``: a module-level function (picklable), plain-data args.
+    ``cost``: how long the job is expected to take, relative to the others; workers take the
+    costliest first, so that a long job does not start last and run on alone while the other
+    workers idle (results still come back in job order)."""
 
     name: str
     fn: Callable[..., Any]
     args: tuple = field(default_factory=tuple)
+    cost: float = 1.0
 
 
 class WorkerError(PagedWeightError):
@@ -197,7 +201,7 @@ def _run_in_workers(jobs: Sequence[Job], num_workers: int, display: Display, fin
             child_end.close()
             procs.append(p)
             conns.append(parent_end)
-        todo = deque(range(len(jobs)))
+        todo = deque(sorted(range(len(jobs)), key=lambda i: -jobs[i].cost))  # stable: ties keep their order
         busy: dict[int, tuple[int, float]] = {}  # worker -> (job index, start time)
 
         def assign(w: int) -> None:

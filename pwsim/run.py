@@ -17,7 +17,7 @@ from pathlib import Path
 from pagedweight.config.latency import RoutingConfig
 from pagedweight.config.run import ScenarioRun, scenario_run
 from pagedweight.config.scenario import LoadedScenario
-from pagedweight.policy.policies import PolicyInfeasible
+from pagedweight.policy.policies import PolicyInfeasible, relative_run_cost
 from pagedweight.results.writer import ResultsWriter, policy_summary, run_meta, trace_meta, write_policy_tables
 from pwsim.executor import Display, Job, auto_display, run_jobs
 from pwsim.latency import LatencyModel, build_latency_model
@@ -118,7 +118,12 @@ def run_scenario(
         return meta
     try:
         job_list = [
-            Job(name, simulate_policy, (loaded, run, name, str(writer.parts_root / str(i)), shared))
+            Job(
+                name,
+                simulate_policy,
+                (loaded, run, name, str(writer.parts_root / str(i)), shared),
+                cost=relative_run_cost(name),
+            )
             for i, name in enumerate(names)
         ]
         display = progress if isinstance(progress, Display) else auto_display(progress)

@@ -68,6 +68,22 @@ def test_executor_order_lines_and_errors():
         run_jobs([Job("a", _square, (1,)), Job("b", _fail, (1,))], 2)
 
 
+def _started_at(x, progress):
+    start_s = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process
+    time.sleep(0.2)
+    return (x, start_s)
+
+
+def test_workers_take_the_costliest_jobs_first_and_results_keep_job_order():
+    costs = [1.0, 1.0, 3.0, 2.0, 1.0]
+    jobs = [Job(f"j{i}", _started_at, (i,), cost=c) for i, c in enumerate(costs)]
+    results = run_jobs(jobs, 2)
+    assert [x for x, _ in results] == [0, 1, 2, 3, 4]
+    start_s = [s for _, s in results]
+    assert max(start_s[2], start_s[3]) < min(start_s[0], start_s[1], start_s[4])  # 2 and 3 went first
+    assert start_s[4] > max(start_s[0], start_s[1])  # equal costs: in job order
+
+
 def test_run_prints_a_line_per_policy_when_not_on_a_terminal(tmp_path):
     args = [sys.executable, "-m", "pwsim.cli", "run", str(FIXTURES / "scenarios" / "good.yaml"), "--jobs", "2"]
     args += ["--out", str(tmp_path / "out"), "--no-report", "--policy", "static-fp16", "--policy", "static-int4"]

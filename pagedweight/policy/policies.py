@@ -46,6 +46,13 @@ DYNAMIC_POLICIES = ("paper-greedy", "pagedweight")
 PAPER_LADDER: tuple[str, ...] = ("int8", "int4")
 
 
+def relative_run_cost(name: str) -> float:
+    """How long a policy's simulation takes against a static policy's, roughly: the policies
+    that change precision at run time plan every step (2-3x on the shipped scenarios). Only
+    the order in which parallel runs start depends on it."""
+    return 2.0 if name in ("paper-greedy", "pagedweight") else 1.0
+
+
 def policy_ladder(name: str, scenario_ladder: tuple[str, ...], paper_greedy_ladder: tuple[str, ...] | None = None):
     """The precisions ``name`` may use, most precise first. ``paper-greedy`` gets the paper's
     ladder (the scenario's top, then whichever of INT8 and INT4 the scenario has), or
