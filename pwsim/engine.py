@@ -133,7 +133,7 @@ class SimEngine:
         """A request arrives now (from ``arrivals``, or from a cluster's router); its id is its
         row in ``self.trace``."""
         if self.core.scheduler.prefix_caching and req.block_hashes is None:
-            req.block_hashes, req.prefix_private = self._block_keys(req)
+            req.block_hashes, req.private_from = self._block_keys(req)
         self.requests.append(req)
         self.core.add(req)
         self._wake_engine()
@@ -144,16 +144,20 @@ class SimEngine:
         self._wake_engine()
 
     def _block_keys(self, req: Request):
-        """(keys, private): prefix caching keys blocks by the trace's block ids; without them
-        requests share nothing, but a preempted request finds its own blocks again (private
-        keys; pagedweight.core.prefix)."""
+        """(keys, the first key no other request has): prefix caching keys blocks by the trace's
+        block ids; without them requests share nothing, but a preempted request finds its own
+        blocks again (keys of its own; pagedweight.core.prefix)."""
         block_tokens = self.core.kv.block_tokens
         tr = self.trace
         if tr.hash_ids is not None and req.request_id < len(tr):
             if self._trace_keys is None:
                 self._trace_keys = TraceBlockKeys(tr.hash_ids)
-            return self._trace_keys.keys(req.request_id, req.prompt_tokens, block_tokens), False
-        return own_block_keys(req.request_id, req.prompt_tokens, block_tokens), True
+            keys = self._trace_keys
+            return (
+                keys.keys(req.request_id, req.prompt_tokens, block_tokens),
+                keys.private_from(req.request_id, req.prompt_tokens, block_tokens),
+            )
+        return own_block_keys(req.request_id, req.prompt_tokens, block_tokens), 0
 
     def arrivals(self, env: simpy.Environment):
         return replay_arrivals(env, self.trace, self.accept, self.close_arrivals)

@@ -2,6 +2,7 @@
 and random workloads with shared prefixes checked at every step."""
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -67,6 +68,48 @@ def test_trace_keys_map_512_token_blocks_to_kv_blocks():
     assert a24[:21] == b24[:21] and a24[21] != b24[21]
     # Only blocks inside both the prompt and the trace's ids get a key.
     assert len(keys.keys(0, 100, 16)) == 6 and len(keys.keys(0, 5000, 16)) == 1024 // 16
+
+
+def test_trace_keys_are_private_from_the_first_trace_block_no_other_request_holds():
+    keys = TraceBlockKeys([[7, 8, 4], [7, 9], [5, 8], [7, 8, 6], []])
+    # a and d share trace blocks 0 and 1 (b only block 0), so a is private from trace block 2:
+    # KV block 64 with 16 tokens (tokens 1024..1039), 42 with 24 (1008..1031: its last token is there).
+    assert keys.private_from(0, 2000, 16) == 64 and keys.private_from(0, 2000, 24) == 42
+    assert keys.private_from(0, 1000, 16) == len(keys.keys(0, 1000, 16))  # every key shared
+    assert keys.private_from(1, 2000, 16) == 32  # b's trace block 1 is its own
+    assert keys.private_from(2, 2000, 16) == 0  # c shares nothing
+    assert keys.private_from(4, 2000, 16) == 0 == len(keys.keys(4, 2000, 16))
+    for r in range(5):  # the first private key, and every one after it, is in no other request
+        mine = keys.keys(r, 2000, 16)
+        others = {k for o in range(5) if o != r for k in keys.keys(o, 2000, 16)}
+        first = keys.private_from(r, 2000, 16)
+        assert not others & set(mine[first:]) and (first == 0 or mine[first - 1] in others)
+
+
+def test_private_tails_change_nothing_but_the_work_of_keeping_keys():
+    """Requests sharing a prefix, each with a tail of its own marked private: the newest is
+    preempted and finds its own tail again; the same prefill, hits, evictions and LRU order as
+    registering every block, with the tail of the one never preempted never registered."""
+
+    def run(private: bool):
+        _, kv, s = make(8, block_tokens=4, blocks_per_page=1, max_num_batched_tokens=64, admission="greedy")
+        shared = list(range(8))  # two blocks
+        reqs = [Request(0, 0.0, 8, 1), Request(1, 0.0, 12, 6), Request(2, 0.0, 16, 8)]
+        tails = [[], [100, 101, 102, 103], list(range(200, 208))]
+        for r, tail in zip(reqs, tails, strict=True):
+            r.block_hashes = token_block_keys(shared + tail, 4)
+            r.private_from = 2 if private else None
+        return kv, s, reqs, run_all(s, reqs)
+
+    kv, s, reqs, prefill = run(True)
+    assert [r.num_preemptions for r in reqs] == [0, 0, 1]
+    assert s.prefix_hit_tokens == 20  # newest: the shared 8 tokens, then 12 of its own on readmission
+    assert not set(reqs[1].block_hashes[2:]) & set(kv._block_of_key)  # never registered
+    kv_ref, s_ref, _, prefill_ref = run(False)
+    assert prefill == prefill_ref and s.prefix_hit_tokens == s_ref.prefix_hit_tokens
+    assert kv.num_evicted_blocks == kv_ref.num_evicted_blocks
+    assert kv.num_cached_blocks == kv_ref.num_cached_blocks > 0
+    assert kv.evictable_blocks() == kv_ref.evictable_blocks()  # the same blocks, in the same LRU order
 
 
 def test_mooncake_hash_ids_are_read_and_follow_windows(tmp_path):
@@ -309,14 +352,19 @@ def run_shared_workload(
     protect=False,
     private_every=0,
     private_as_shared=False,
+    private_tails=False,
+    coverage=None,
+    admission="forecast",
 ):
     """Requests whose prompts extend a few shared prefixes, to the end; every invariant at every
     step. With ``protect`` (and the hook), every cached block is protected before each step and
     the hook lifts protection for what the weights it gives back do not cover, as
     ``RuntimeCore`` does. Every ``private_every``-th request (0: none) has keys of its own, as
-    the simulator gives requests of a trace without block ids (``private_as_shared``: the same
-    keys, not marked private). Returns the steps taken, the prompt tokens served from the cache,
-    the evicted blocks, the evictable blocks in LRU order and the preemptions."""
+    the simulator gives requests of a trace without block ids; with ``private_tails`` the others
+    are marked private from their first key no other request has, as the simulator marks a
+    trace's (``private_as_shared``: the same keys, none marked private). Returns the steps
+    taken, the prompt tokens served from the cache, the evicted blocks, the evictable blocks in
+    LRU order and the preemptions."""
     rng = np.random.default_rng(seed)
     pool, kv, s = make(
         num_pages,
@@ -325,6 +373,7 @@ def run_shared_workload(
         max_num_batched_tokens=max_batched,
         max_model_len=512,
         preemption_mode=mode,
+        admission=admission,
     )
     weights = list(pool.alloc(OWNER_PINNED, num_pages // 4))
     if with_hook:
@@ -347,10 +396,16 @@ def run_shared_workload(
         r = Request(i, float(i), len(tokens), int(rng.integers(1, 30)))
         if private_every and i % private_every == 0:
             r.block_hashes = own_block_keys(i, len(tokens), block_tokens)
-            r.prefix_private = not private_as_shared
+            r.private_from = None if private_as_shared else 0
         else:
             r.block_hashes = token_block_keys(tokens, block_tokens)
         reqs.append(r)
+    if private_tails and not private_as_shared:
+        holders = Counter(k for r in reqs if r.private_from is None for k in set(r.block_hashes))
+        for r in reqs:
+            if r.private_from is None:
+                keys = r.block_hashes
+                r.private_from = next((j for j, k in enumerate(keys) if holders[k] < 2), len(keys))
     now, nxt, steps = 0.0, 0, 0
     while nxt < len(reqs) or s.has_work():
         while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
@@ -378,8 +433,16 @@ def run_shared_workload(
         if r.state is FINISHED:
             assert r.num_output_tokens == r.max_output_tokens
     assert kv.num_used_blocks == 0 and pool.num_owned(OWNER_KV) == 0
-    # A request with keys of its own that was never preempted never registered one.
-    unregistered = {k for r in reqs if r.prefix_private and not r.num_preemptions for k in r.block_hashes}
+    if coverage is not None:  # requests private from a key past their first, and those preempted
+        tails = [r for r in reqs if r.private_from and r.private_from < len(r.block_hashes)]
+        coverage.append((len(tails), sum(r.num_preemptions > 0 for r in tails)))
+    # A request never preempted never registered one of its private keys.
+    unregistered = {
+        k
+        for r in reqs
+        if r.private_from is not None and not r.num_preemptions
+        for k in r.block_hashes[r.private_from :]
+    }
     assert not unregistered & set(kv._block_of_key)
     return steps, s.prefix_hit_tokens, kv.num_evicted_blocks, kv.evictable_blocks(), s.num_preemptions
 
@@ -398,6 +461,7 @@ def test_protection_never_keeps_a_hit_waiting_for_ever():
 
 def test_random_shared_prefix_workloads_keep_every_invariant():
     results: list[tuple[int, int]] = []
+    tails: list[tuple[int, int]] = []
 
     @settings(
         max_examples=25, deadline=None, derandomize=True
@@ -413,17 +477,22 @@ def test_random_shared_prefix_workloads_keep_every_invariant():
         mode=st.sampled_from(["recompute", "swap"]),
         protect=st.booleans(),
         private_every=st.sampled_from([0, 1, 3]),
+        private_tails=st.booleans(),
+        admission=st.sampled_from(["forecast", "greedy"]),  # greedy admission preempts more
     )
     def workload(**kw):
-        out = run_shared_workload(**kw)
+        out = run_shared_workload(**kw, coverage=tails if kw["private_tails"] else None)
         results.append(out)
-        if kw["private_every"]:  # keys of one's own change no decision, only the keeping of keys
+        if kw["private_every"] or kw["private_tails"]:  # private keys change no decision, only their upkeep
             assert run_shared_workload(**kw, private_as_shared=True) == out
 
     workload()
     # Together the examples must have run long and hit often, or the property says little.
     assert sum(r[0] for r in results) >= 400
     assert sum(r[1] > 0 for r in results) >= 5
+    # Shared prefixes with private tails, some of those requests preempted (their tails then
+    # registered), in several examples.
+    assert sum(n > 0 for n, _ in tails) >= 5 and sum(p > 0 for _, p in tails) >= 2, tails
 
 
 def private_pair_run(private: bool):
@@ -431,7 +500,8 @@ def private_pair_run(private: bool):
     first = Request(0, 0.0, 8, 6)  # grows to 4 blocks
     newest = Request(1, 0.0, 12, 8)  # 3 prompt blocks; preempted when the 6 blocks run out
     for r in (first, newest):
-        r.block_hashes, r.prefix_private = own_block_keys(r.request_id, r.prompt_tokens, 4), private
+        r.block_hashes = own_block_keys(r.request_id, r.prompt_tokens, 4)
+        r.private_from = 0 if private else None
     prefill = run_all(s, [first, newest])
     return kv, s, first, newest, prefill
 

@@ -23,10 +23,15 @@ Two sources, one kind of key (``KvBlockAllocator`` only compares them):
   each request's blocks get keys of their own (``own_block_keys``), negative so that they never
   equal a trace key. They matter only to the request itself: preempted by recompute, it finds
   its prompt blocks again if they were not evicted meanwhile, as it would in a real engine (whose
-  token keys find them too). Nothing else can hit them, so the scheduler registers them only
-  at the request's first preemption, and a request never preempted retires its prompt blocks
-  unkeyed (``Request.prefix_private``, ``KvBlockAllocator.retire``): the cache's contents and
-  order are the same, the keys' upkeep is saved.
+  token keys find them too).
+
+Private blocks: keys no other request has. Nothing else can hit them, so the scheduler
+registers them only at the request's first preemption, and a request never preempted retires
+them unkeyed (``Request.private_from``, ``KvBlockAllocator.retire``): the cache's contents and
+order are the same, the keys' upkeep is saved. Own keys are private from block 0. A trace's keys
+are private from the first trace block that no other request of the trace holds
+(``TraceBlockKeys.private_from``): since keys are chained, every later block of that request is
+unshared too. In the Mooncake trace that is ~46% of the KV blocks of its first 2,000 requests.
 """
 
 from __future__ import annotations
@@ -63,6 +68,10 @@ class TraceBlockKeys:
                 prev = interned.setdefault((prev, int(block_id)), len(interned))
                 chain[t] = prev
             self._chains.append(chain)
+        # Requests holding each chain node (a request holds a node at most once: the chain of
+        # trace block t has t links).
+        chains = [c for c in self._chains if len(c)]
+        self._holders = np.bincount(np.concatenate(chains), minlength=len(interned)) if chains else np.zeros(0, int)
 
     def keys(self, request: int, prompt_tokens: int, kv_block_tokens: int) -> list[int]:
         """Keys of request ``request``'s full KV blocks, as far as its trace blocks reach."""
@@ -74,6 +83,18 @@ class TraceBlockKeys:
         j = np.arange(n, dtype=np.int64)
         t = ((j + 1) * kv_block_tokens - 1) // self.trace_block_tokens
         return ((chain[t] << _INDEX_BITS) | j).tolist()
+
+    def private_from(self, request: int, prompt_tokens: int, kv_block_tokens: int) -> int:
+        """The first of ``keys(...)`` that no other request of the trace has (their number if
+        every one is shared): the first KV block ending in a trace block only this request
+        holds. Holders fall along a chain, so every later key is unshared too."""
+        chain = self._chains[request]
+        num_keys = min(prompt_tokens, len(chain) * self.trace_block_tokens) // kv_block_tokens
+        alone = np.flatnonzero(self._holders[chain] < 2)
+        if len(alone) == 0:
+            return num_keys
+        t = int(alone[0])  # KV block j ends in trace block ((j + 1) * B - 1) // 512; the first j there:
+        return min(num_keys, -(-(t * self.trace_block_tokens + 1) // kv_block_tokens) - 1)
 
 
 def own_block_keys(request: int, prompt_tokens: int, kv_block_tokens: int) -> range:

@@ -111,7 +111,7 @@ class Request:
         "block_hashes",
         "num_cached_blocks",
         "cached_tokens",
-        "prefix_private",
+        "private_from",
     )
 
     def __init__(self, request_id: int, arrival_s: float, prompt_tokens: int, max_output_tokens: int):
@@ -138,12 +138,13 @@ class Request:
         self.block_hashes: Sequence[int] | None = None
         self.num_cached_blocks = 0
         self.cached_tokens = 0
-        # Keys no other request can have (the simulator's keys for a trace without block ids).
-        # Until its first preemption nothing can look them up, so its blocks are registered
-        # only if it is preempted, and when it finishes its prompt blocks stay in the cache as
-        # keyless evictable blocks: the cache's memory and eviction order are those of the
-        # registered blocks, without the cost of keys nobody asks for.
-        self.prefix_private = False
+        # The first of ``block_hashes`` that no other request can have (None: any may be shared;
+        # the simulator knows, from the whole trace, pagedweight.core.prefix). Until its first
+        # preemption nothing can look those up, so they are registered only if it is preempted,
+        # and when it finishes they stay in the cache as keyless evictable blocks: the cache's
+        # memory and eviction order are those of the registered blocks, without the cost of
+        # keys nobody asks for.
+        self.private_from: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -206,6 +207,15 @@ StepLimits = Callable[[float], tuple[int, int]]
 # A swap-out hook gets a request being preempted by swap while it still holds its blocks, with
 # ``num_computed_tokens`` of KV in them: a runtime that holds real KV copies it out there.
 SwapOutHook = Callable[[Request], None]
+
+
+def _registrable(req: Request) -> int:
+    """How many of ``req``'s prompt blocks it registers as they are computed: all, or the shared
+    ones until it is first preempted (``Request.private_from``)."""
+    keys = req.block_hashes
+    if req.private_from is None or req.num_preemptions or req.private_from >= len(keys):
+        return len(keys)
+    return req.private_from
 
 
 class Scheduler:
@@ -312,7 +322,7 @@ class Scheduler:
                 self.swap_out_hook(req)
             req.swapped_tokens = req.num_computed_tokens
             batch.swapped_out_tokens += req.num_computed_tokens
-        if req.prefix_private and not req.num_preemptions and req.block_hashes:
+        if req.private_from is not None and not req.num_preemptions and req.block_hashes:
             self._cache_private_blocks(req)  # what it computed, for its own recompute
         self.kv.free(req.block_ids)
         req.block_ids = []
@@ -481,8 +491,8 @@ class Scheduler:
         if finished:
             kv = self.kv
             for req in finished:
-                if req.prefix_private and not req.num_preemptions:  # its prompt blocks, unkeyed
-                    kv.retire(req.block_ids, len(req.block_hashes))
+                if req.private_from is not None and not req.num_preemptions:  # private blocks unkeyed
+                    kv.retire(req.block_ids, len(req.block_hashes), req.private_from)
                 else:
                     kv.free(req.block_ids)
                 req.block_ids = []
@@ -500,9 +510,10 @@ class Scheduler:
             self.running.remove(req)
         elif req.state is WAITING:
             self.waiting.remove(req)
-        if req.prefix_private and not req.num_preemptions and req.block_hashes:
+        if req.private_from is not None and not req.num_preemptions and req.block_hashes:
             computed = min(len(req.block_hashes), req.num_computed_tokens // self.kv.block_tokens)
-            self.kv.retire(req.block_ids, computed)
+            shared = min(req.private_from, computed)
+            self.kv.retire(req.block_ids, computed, shared)
         else:
             self.kv.free(req.block_ids)
         req.block_ids = []
@@ -564,15 +575,15 @@ class Scheduler:
                 bt = self.kv.block_tokens
                 limit = min(len(req.block_hashes), (req.prompt_tokens - 1) // bt)
                 ghosts.count_hits(req.block_hashes, hit_tokens // bt, limit, now_s)
-        if req.num_cached_blocks < len(req.block_hashes) and not (req.prefix_private and not req.num_preemptions):
+        if req.num_cached_blocks < _registrable(req):
             self._prefix_pending[req] = None
 
     def _cache_private_blocks(self, req: Request) -> None:
-        """Register the prompt blocks a request with private keys has computed (it is being
-        preempted for the first time; it finds them again if they are not evicted before it is
-        readmitted): the blocks a request with shared keys registers step by step, and, with
-        nobody else holding these keys, every registration succeeds as it would have then.
-        From here on the request registers step by step like any other."""
+        """Register the private prompt blocks a request has computed (it is being preempted for
+        the first time; it finds them again if they are not evicted before it is readmitted):
+        the blocks a request with shared keys registers step by step, and, with nobody else
+        holding these keys, every registration succeeds as it would have then. From here on
+        the request registers step by step like any other."""
         keys, done = req.block_hashes, req.num_cached_blocks
         full = min(len(keys), req.num_computed_tokens // self.kv.block_tokens)
         if full > done:
@@ -586,8 +597,9 @@ class Scheduler:
         for req in list(pending):
             keys, done = req.block_hashes, req.num_cached_blocks
             full = req.num_computed_tokens // bt
-            if full >= len(keys):
-                full = len(keys)
+            last = _registrable(req)
+            if full >= last:
+                full = last
                 del pending[req]
             if full > done:
                 kv.cache_blocks(req.block_ids[done:full], keys[done:full])
