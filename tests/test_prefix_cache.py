@@ -607,3 +607,38 @@ def test_the_downgrade_reserve_holds_back_cached_pages_too():
     assert pool.num_available == 2 and kv.num_free_blocks == 0
     assert len(pool.alloc(weight_owner(0), 2)) == 2  # a downgrade's pages: reclaimed
     kv.check()
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["retire", "release"]), st.integers(1, 6)), min_size=1, max_size=12))
+def test_one_block_reuse_is_the_general_eviction(ops):
+    """``KvBlockAllocator._reuse_one`` (a decode's one new block once memory is full) against
+    ``_evict_for_reuse(1)`` on a twin allocator: the same block, and the same evictable set,
+    ghosts and counts after each, through retired runs and keyed blocks in any order."""
+    import copy
+
+    _, kv, _ = make(64, block_tokens=4, blocks_per_page=1)
+    kv.track_reuse(capacity_blocks=5)  # small: the ghost list ages along the way
+    key = 0
+    for kind, n in ops:
+        blocks = kv.allocate(n)
+        if kind == "retire":
+            kv.retire(blocks, n)
+        else:
+            kv.cache_blocks(blocks, list(range(key, key + n)))
+            key += n
+            kv.release(blocks)
+    twin = copy.deepcopy(kv)
+    while kv.num_cached_blocks:
+        assert kv._reuse_one() == twin._evict_for_reuse(1)[0]
+        assert kv.evictable_blocks() == twin.evictable_blocks()
+        assert (kv.num_evicted_blocks, kv.num_used_blocks, kv._num_runs) == (
+            twin.num_evicted_blocks,
+            twin.num_used_blocks,
+            twin._num_runs,
+        )
+        assert kv.ghosts.newer == twin.ghosts.newer and len(kv.ghosts) == len(twin.ghosts)
+        assert kv.pool.counts() == twin.pool.counts()
+        assert kv._block_of_key == twin._block_of_key
+        kv.check()
+        twin.check()
