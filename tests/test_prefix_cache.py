@@ -642,3 +642,46 @@ def test_one_block_reuse_is_the_general_eviction(ops):
         assert kv._block_of_key == twin._block_of_key
         kv.check()
         twin.check()
+
+
+@pytest.mark.parametrize(
+    "policy, sets",
+    [
+        ("static-fp16", ["scheduler.admission=greedy", "memory.budget=90 GiB"]),  # ~40 preemptions
+        ("pagedweight", []),  # its ghost list counts evicted keys
+    ],
+)
+def test_simulated_private_tails_change_no_result(policy, sets, monkeypatch):
+    """The simulator on the shipped multi-turn trace (conversations resend their prefix; ~95% of
+    requests end in a tail of their own): every request's times and the summary are the same
+    with the trace's private tails as with every key shared, preemptions included."""
+    from pathlib import Path
+
+    from pagedweight.config.run import scenario_run
+    from pagedweight.config.scenario import load_scenario
+    from pagedweight.core import prefix
+    from pagedweight.results.writer import policy_summary
+    from pwsim.latency import build_latency_model
+    from pwsim.run import scenario_engine
+
+    root = Path(__file__).resolve().parents[1]
+
+    def run():
+        loaded = load_scenario(root / "scenarios" / "multiturn.yaml", ["workload.max_requests=400", *sets])
+        run = scenario_run(loaded, [policy])
+        lat = build_latency_model(loaded.scenario.latency, loaded.model, loaded.gpu, loaded.base_dir)
+        eng = scenario_engine(run, policy, lat, loaded.scenario.routing)
+        eng.run()
+        summary = policy_summary(eng.requests, eng.core, run.slo, 1.0, eng.bytes_h2d)
+        times = [(r.first_token_s, r.finish_s, r.num_preemptions, r.cached_tokens) for r in eng.requests]
+        tails = sum(0 < r.private_from < len(r.block_hashes) for r in eng.requests)
+        return summary, times, tails, sum(r.num_preemptions for r in eng.requests)
+
+    summary, times, tails, preemptions = run()
+    assert tails > 300 and (preemptions > 0) == (policy == "static-fp16")
+    monkeypatch.setattr(prefix.TraceBlockKeys, "private_from", lambda self, r, p, b: len(self.keys(r, p, b)))
+    shared_summary, shared_times, shared_tails, _ = run()
+    assert shared_tails == 0 and shared_times == times
+    assert {k: v for k, v in shared_summary.items() if "wall" not in k} == {
+        k: v for k, v in summary.items() if "wall" not in k
+    }
