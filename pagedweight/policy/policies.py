@@ -50,7 +50,7 @@ def relative_run_cost(name: str) -> float:
     """How long a policy's simulation takes against a static policy's, roughly: the policies
     that change precision at run time plan every step (2-3x on the shipped scenarios). Only
     the order in which parallel runs start depends on it."""
-    return 2.0 if name in ("paper-greedy", "pagedweight") else 1.0
+    return 2.0 if name in DYNAMIC_POLICIES else 1.0
 
 
 def policy_ladder(name: str, scenario_ladder: tuple[str, ...], paper_greedy_ladder: tuple[str, ...] | None = None):

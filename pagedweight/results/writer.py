@@ -221,7 +221,7 @@ def write_csv_rows(f, df: pd.DataFrame, header: bool = True, rows_per_chunk: int
     needs quoting does the csv module (which pandas uses) write them. pandas spent ~1 us on each
     float (0.4 s of a cluster replica's 48,000-request table). ``rows_per_chunk`` rows are
     formatted at a time: a string per cell of a 100,000-step slice would hold ~200 MB, of
-    8,192 steps ~30 MB."""
+    2,048 steps ~8 MB."""
     names = [str(c) for c in df.columns]
     columns = [df[name].to_numpy() for name in df.columns]
     if header:
