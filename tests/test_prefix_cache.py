@@ -685,3 +685,23 @@ def test_simulated_private_tails_change_no_result(policy, sets, monkeypatch):
     assert {k: v for k, v in shared_summary.items() if "wall" not in k} == {
         k: v for k, v in summary.items() if "wall" not in k
     }
+
+
+@pytest.mark.parametrize("keyed_block", [1, 5])  # a block of the call keyed already, or none
+@pytest.mark.parametrize("keys", [[10, 11, 12, 13], [10, 11, 10, 13], [10, 5, 12, 13], [10, 11, 12, 12]])
+def test_registering_many_blocks_is_registering_each(keys, keyed_block):
+    """``cache_blocks`` (the bulk path, and its way back when a key repeats) leaves the maps
+    ``cache_block`` pair by pair would: a key already cached or listed twice, and a block
+    already keyed, stay out."""
+    _, bulk, _ = make(8, blocks_per_page=1)
+    _, each, _ = make(8, blocks_per_page=1)
+    for kv in (bulk, each):
+        held = kv.allocate(6)
+        assert kv.cache_block(held[4], 5)  # a key cached already
+        assert kv.cache_block(held[keyed_block], 99)
+    blocks = held[:4]
+    bulk.cache_blocks(blocks, keys)
+    for b, k in zip(blocks, keys, strict=True):
+        each.cache_block(b, k)
+    assert bulk._block_of_key == each._block_of_key and bulk._key_of_block == each._key_of_block
+    bulk.check()

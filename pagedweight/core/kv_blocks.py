@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from itertools import islice, repeat
+from itertools import compress, islice, repeat
+from operator import not_
 
 import numpy as np
 
@@ -235,9 +236,10 @@ class KvBlockAllocator:
         none is left), the others are freed."""
         keyed = self._key_of_block
         if keyed:
-            cached = [b for b in block_ids if b in keyed]
+            is_cached = list(map(keyed.__contains__, block_ids))  # one pass in C
+            cached = list(compress(block_ids, is_cached))
             if cached:
-                private = [b for b in block_ids if b not in keyed] if len(cached) < len(block_ids) else []
+                private = list(compress(block_ids, map(not_, is_cached))) if len(cached) < len(block_ids) else []
                 self.release(cached)
                 block_ids = private
         self._free_unkeyed(block_ids)
@@ -322,11 +324,16 @@ class KvBlockAllocator:
         by_key, by_block = self._block_of_key, self._key_of_block
         if len(blocks) != len(keys):
             raise PoolError(f"{len(blocks)} blocks for {len(keys)} keys")
-        # Usually none is cached yet: two bulk updates (a long prompt has ~1,000 blocks).
-        if by_key.keys().isdisjoint(keys) and by_block.keys().isdisjoint(blocks) and len(set(keys)) == len(keys):
+        # Usually none is cached yet: two bulk updates (a long prompt has ~1,000 blocks). A key
+        # listed twice shows in the count, and taking the keys out again undoes the update
+        # (none was there before), cheaper than a set of them first.
+        if by_key.keys().isdisjoint(keys) and by_block.keys().isdisjoint(blocks):
+            before = len(by_key)
             by_key.update(zip(keys, blocks, strict=True))
-            by_block.update(zip(blocks, keys, strict=True))
-            return
+            if len(by_key) == before + len(keys):
+                by_block.update(zip(blocks, keys, strict=True))
+                return
+            deque(map(by_key.pop, keys, repeat(None)), maxlen=0)
         for block, key in zip(blocks, keys, strict=True):
             if key not in by_key and block not in by_block:
                 by_key[key] = block
