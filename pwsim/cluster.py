@@ -110,7 +110,7 @@ def _replica_result(eng, policy: str, replica: int, ids: np.ndarray | None, part
         write_ep_tables(parts_dir, policy, eng, replica)
     else:
         summary = policy_summary(eng.requests, eng.core, run.slo, wall_s, eng.bytes_h2d, columns)
-        write_policy_tables(parts_dir, policy, eng.requests, eng.core, replica)
+        write_policy_tables(parts_dir, policy, eng.requests, eng.core, replica, columns)
     summary["replica"] = replica
     itl = _itl_histogram(eng.requests)
     return {"summary": summary, "parts_dir": str(parts_dir), "requests": columns, "itl": itl}

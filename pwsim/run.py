@@ -18,6 +18,7 @@ from pagedweight.config.latency import RoutingConfig
 from pagedweight.config.run import ScenarioRun, scenario_run
 from pagedweight.config.scenario import LoadedScenario
 from pagedweight.policy.policies import PolicyInfeasible, relative_run_cost
+from pagedweight.results.metrics import RequestColumns
 from pagedweight.results.writer import ResultsWriter, policy_summary, run_meta, trace_meta, write_policy_tables
 from pwsim.executor import Display, Job, auto_display, run_jobs
 from pwsim.latency import LatencyModel, build_latency_model
@@ -190,8 +191,10 @@ def simulate_policy(
         out["summary"] = ep_summary(eng, run.slo, time.perf_counter() - wall0)
         write_ep_tables(Path(parts_dir), policy, eng)
     else:
-        out["summary"] = policy_summary(eng.requests, eng.core, run.slo, time.perf_counter() - wall0, eng.bytes_h2d)
-        write_policy_tables(Path(parts_dir), policy, eng.requests, eng.core)
+        wall_s = time.perf_counter() - wall0
+        columns = RequestColumns.of(eng.requests)
+        out["summary"] = policy_summary(eng.requests, eng.core, run.slo, wall_s, eng.bytes_h2d, columns)
+        write_policy_tables(Path(parts_dir), policy, eng.requests, eng.core, columns=columns)
     out["parts_dir"] = parts_dir
     if own_latency:
         out["out_of_grid"] = dict(getattr(latency, "out_of_grid", None) or {})

@@ -234,15 +234,21 @@ class KvBlockAllocator:
     def free(self, block_ids: list[int]) -> None:
         """Give back a request's blocks: cached ones lose a holder (and become evictable when
         none is left), the others are freed."""
+        cached, private = self._split_cached(block_ids)
+        if cached:
+            self.release(cached)
+        self._free_unkeyed(private)
+
+    def _split_cached(self, block_ids: list[int]) -> tuple[list[int], list[int]]:
+        """``block_ids`` as (cached blocks, the others), each in order; one pass in C each."""
         keyed = self._key_of_block
-        if keyed:
-            is_cached = list(map(keyed.__contains__, block_ids))  # one pass in C
-            cached = list(compress(block_ids, is_cached))
-            if cached:
-                private = list(compress(block_ids, map(not_, is_cached))) if len(cached) < len(block_ids) else []
-                self.release(cached)
-                block_ids = private
-        self._free_unkeyed(block_ids)
+        if not keyed:
+            return [], block_ids
+        is_cached = list(map(keyed.__contains__, block_ids))
+        cached = list(compress(block_ids, is_cached))
+        if len(cached) == len(block_ids):
+            return cached, []
+        return cached, list(compress(block_ids, map(not_, is_cached))) if cached else block_ids
 
     def retire(self, block_ids: list[int], num_dead: int, num_shared: int = 0) -> None:
         """Give back the blocks of a request whose private prompt blocks were never registered
@@ -267,14 +273,10 @@ class KvBlockAllocator:
                 self._make_idle(idle)
         rest = block_ids[max(num_dead, num_shared) :]
         if head:
-            keyed = self._key_of_block
-            cached = [b for b in head if b in keyed]
+            cached, private = self._split_cached(head)
             if cached:
                 self.release(cached)
-                if len(cached) < len(head):
-                    rest = [b for b in head if b not in keyed] + rest
-            else:
-                rest = head + rest
+            rest = private + rest if private else rest
         self._free_unkeyed(rest)
 
     def _free_unkeyed(self, block_ids: list[int]) -> None:

@@ -69,46 +69,34 @@ class Slo:
     e2el_ms: float | None = None
 
 
-def request_table(requests: list[Request]) -> pd.DataFrame:
-    """One row per request (``REQUEST_COLUMNS``), built column by column: a dict per request
-    cost ~14 us (0.65 s for a replica's 48,000 requests), the columns ~a quarter of that.
-    Missing times are NaN (printed empty); the arithmetic is the per-request one, element-wise,
-    so every figure is the same float."""
+def request_table(requests: list[Request], columns: RequestColumns | None = None) -> pd.DataFrame:
+    """One row per request (``REQUEST_COLUMNS``), built column by column (a dict per request
+    cost ~14 us: 0.65 s for a replica's 48,000 requests). ``columns``:
+    ``RequestColumns.of(requests)`` if the caller has them already. Missing times are NaN
+    (printed empty); the latencies are ``RequestColumns.latencies_ms``, the summary's."""
     import pandas as pd  # here: the runtimes import this module, only tables need pandas
 
+    cols = RequestColumns.of(requests) if columns is None else columns
+    ttft, e2el, tpot = cols.latencies_ms()
     n = len(requests)
-
-    def ints(values) -> np.ndarray:
-        return np.fromiter(values, dtype=np.int64, count=n)
-
-    arrival = _floats(r.arrival_s for r in requests)
-    first_token = _floats(r.first_token_s for r in requests)
-    finish = _floats(r.finish_s for r in requests)
-    finished = np.fromiter((r.state is FINISHED for r in requests), dtype=bool, count=n)
-    outputs = ints(r.num_output_tokens for r in requests)
-    ttft = (first_token - arrival) * 1e3
-    e2el = np.where(finished, (finish - arrival) * 1e3, np.nan)
-    tpot = np.full(n, np.nan)
-    many = finished & (outputs > 1)
-    tpot[many] = (e2el[many] - ttft[many]) / (outputs[many] - 1)
     return pd.DataFrame(
         {
-            "request_id": ints(r.request_id for r in requests),
+            "request_id": cols.request_id,
             "state": [r.state.value for r in requests],
-            "arrival_s": arrival,
-            "prompt_tokens": ints(r.prompt_tokens for r in requests),
-            "max_output_tokens": ints(r.max_output_tokens for r in requests),
-            "output_tokens": outputs,
+            "arrival_s": cols.arrival_s,
+            "prompt_tokens": cols.prompt_tokens,
+            "max_output_tokens": np.fromiter((r.max_output_tokens for r in requests), dtype=np.int64, count=n),
+            "output_tokens": cols.num_output_tokens,
             "first_scheduled_s": _floats(r.first_scheduled_s for r in requests),
-            "first_token_s": first_token,
-            "finish_s": finish,
+            "first_token_s": cols.first_token_s,
+            "finish_s": cols.finish_s,
             "ttft_ms": ttft,
             "tpot_ms": tpot,
             "e2el_ms": e2el,
-            "num_preemptions": ints(r.num_preemptions for r in requests),
+            "num_preemptions": cols.num_preemptions,
             "preempted_at_s": [";".join(f"{t:.6f}" for t in r.preempted_at_s) for r in requests],
             "reject_reason": [r.reject_reason or "" for r in requests],
-            "cached_tokens": ints(r.cached_tokens for r in requests),
+            "cached_tokens": np.fromiter((r.cached_tokens for r in requests), dtype=np.int64, count=n),
         },
         columns=list(REQUEST_COLUMNS),
     )
@@ -194,6 +182,24 @@ class RequestColumns:
             num_preemptions=ints("num_preemptions"),
         )
 
+    def rows(self, start: int, stop: int) -> RequestColumns:
+        """Requests ``start`` to ``stop`` (views, not copies)."""
+        return dataclasses.replace(
+            self, **{f.name: getattr(self, f.name)[start:stop] for f in dataclasses.fields(self)}
+        )
+
+    def latencies_ms(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """TTFT, E2EL and TPOT of every request, NaN where it has none (E2EL and TPOT only for
+        finished requests, TPOT only past their first token); vLLM's definitions (module
+        docstring), element by element, so each figure is the float per-request arithmetic gives."""
+        arrival, finished, n = self.arrival_s, self.finished, self.num_output_tokens
+        ttft = (self.first_token_s - arrival) * 1e3
+        e2el = np.where(finished, (self.finish_s - arrival) * 1e3, np.nan)
+        tpot = np.full(len(arrival), np.nan)
+        many = finished & (n > 1)
+        tpot[many] = (e2el[many] - ttft[many]) / (n[many] - 1)
+        return ttft, e2el, tpot
+
     @classmethod
     def concat(cls, parts: list[RequestColumns]) -> RequestColumns:
         """The parts' requests together, ordered by ``request_id``."""
@@ -222,13 +228,8 @@ def summarize_columns(
 ) -> dict:
     """``summarize`` of requests given as columns, with their pooled inter-token gaps."""
     done = cols.finished
-    arrival = cols.arrival_s[done]
-    ttft = (cols.first_token_s[done] - arrival) * 1e3
-    e2el = (cols.finish_s[done] - arrival) * 1e3
+    ttft, e2el, tpot = (values[done] for values in cols.latencies_ms())
     n = cols.num_output_tokens[done]
-    tpot = np.full(len(n), np.nan)
-    many = n > 1
-    tpot[many] = (e2el[many] - ttft[many]) / (n[many] - 1)
     num_requests, completed = len(cols.arrival_s), int(done.sum())
     start_s = float(cols.arrival_s.min()) if num_requests else 0.0
     end_s = float(cols.finish_s[done].max()) if completed else start_s

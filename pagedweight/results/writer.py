@@ -175,7 +175,12 @@ OPTIONAL_TABLES = ("steps_by_rank", "ep_steps")
 
 
 def write_policy_tables(
-    parts_dir: Path, policy: str, requests: list[Request], core: RuntimeCore, replica: int | None = None
+    parts_dir: Path,
+    policy: str,
+    requests: list[Request],
+    core: RuntimeCore,
+    replica: int | None = None,
+    columns: RequestColumns | None = None,
 ) -> None:
     """One policy's rows of the four tables, as CSV files (with header) in ``parts_dir``; with
     ``replica`` (a cluster's), a ``replica`` column after ``policy``.
@@ -187,7 +192,7 @@ def write_policy_tables(
     ids = np.asarray(core.setup.initial_ids)
     experts = np.arange(len(ids))
     _write_steps(parts_dir / "steps.csv", policy, core.steps.columns(), replica)
-    _write_requests(parts_dir / "requests.csv", policy, requests, replica)
+    _write_requests(parts_dir / "requests.csv", policy, requests, replica, columns=columns)
     frames = (
         ("transitions", lambda: pd.DataFrame([t.row() for t in core.transitions], columns=TRANSITION_COLUMNS)),
         (
@@ -270,14 +275,20 @@ def _write_steps(
 
 
 def _write_requests(
-    path: Path, policy: str, requests: list[Request], replica: int | None = None, rows_per_write: int = 100_000
+    path: Path,
+    policy: str,
+    requests: list[Request],
+    replica: int | None = None,
+    rows_per_write: int = 100_000,
+    columns: RequestColumns | None = None,
 ) -> None:
     """The request table in slices, so that a million requests never make one frame. Every
     column has one type in every slice (missing times are NaN, printed empty), so the file is
     the one a single table would give."""
     with path.open("w", newline="") as f:
         for start in range(0, max(len(requests), 1), rows_per_write):
-            df = request_table(requests[start : start + rows_per_write])
+            stop = start + rows_per_write
+            df = request_table(requests[start:stop], columns.rows(start, stop) if columns is not None else None)
             label_rows(df, policy, replica)
             write_csv_rows(f, df, header=start == 0)
 
