@@ -276,6 +276,37 @@ def test_recompute_weight_zero_keeps_vllms_order():
     assert core.kv.protected_blocks == 0
 
 
+def test_under_a_ttft_slo_the_cache_is_weighed_only_while_the_queue_presses():
+    """Under a TTFT SLO, recompute time is worth quality only while it can cost a first token
+    its SLO: a hot cache with the queue calm gives way first (nothing protected, no downgrade
+    for it); once the queue's projected wait passes half the backlog threshold, the same cache
+    is weighed (and kept) as without an SLO."""
+    from pagedweight.core.scheduler import Request
+
+    core, now = make_core(ttft_slo_s=2.0)  # backlog at 1 s of projected wait; the cache from 0.5 s
+    ctl = core.controller
+    ctl.step_time_s = lambda ids: 0.01  # a runtime's step-time model turns the SLO machinery on
+    kv = core.kv
+    cached = 40 * kv.blocks_per_page
+    fill_cache(core, cached, hot=True)
+    now[0] = 2.0
+    core.plan_step()
+    assert ctl.cache_page_value(now[0]) == 0.0 and kv.num_protected_blocks == 0
+    # A request has waited 0.6 s (its prefill: a few ms more): past the calm line, not a backlog.
+    waiting = Request(0, arrival_s=now[0] + 0.1, prompt_tokens=16, max_output_tokens=4)
+    core.scheduler.waiting.append(waiting)
+    now[0] += 0.7
+    core.plan_step()
+    assert 0.5 < ctl.queue_wait_s(now[0]) < 1.0 and not ctl.backlog
+    assert ctl.cache_page_value(now[0]) > 0
+    assert kv.num_protected_blocks == cached
+    # The queue empties: calm again, the cache gives way first at the next plan.
+    core.scheduler.waiting.clear()
+    now[0] += 0.1
+    core.plan_step()
+    assert ctl.cache_page_value(now[0]) == 0.0 and kv.num_protected_blocks == 0
+
+
 @pytest.mark.parametrize("policy", ["static-fp16", "static-int4", "kv-swap", "paper-greedy"])
 def test_other_policies_still_evict_cached_prefixes_first(policy):
     core, now = make_core(policy)
@@ -312,9 +343,10 @@ def multiturn(policy, *sets):
 def test_pagedweight_keeps_a_multiturn_cache_that_vllms_order_gives_away():
     """Conversations come back for their history: pagedweight measures it (ghost hits), keeps
     more of the cache than with recompute_weight 0 (which is vLLM's order), hits more often and
-    pays in downgrades; nobody is preempted either way."""
-    kept = multiturn("pagedweight")
-    plain = multiturn("pagedweight", "controller.recompute_weight=0")
+    pays in downgrades; nobody is preempted either way. Without a TTFT SLO: under the
+    scenario's own, the queue stays calm at this load and the cache gives way first (below)."""
+    kept = multiturn("pagedweight", "slo.ttft_ms=null")
+    plain = multiturn("pagedweight", "slo.ttft_ms=null", "controller.recompute_weight=0")
     assert kept.kv.ghosts.num_hits > 0
     assert kept.scheduler.prefix_hit_tokens > plain.scheduler.prefix_hit_tokens
     assert kept.num_transitions[DOWNGRADE] >= plain.num_transitions[DOWNGRADE]
@@ -325,3 +357,13 @@ def test_pagedweight_keeps_a_multiturn_cache_that_vllms_order_gives_away():
     steps = {"kv_pages": np.array([1]), "kv_cached_pages": np.array([0])}
     assert prefix_summary(kept, steps)["prefix_ghost_hits"] == kept.kv.ghosts.num_hits > 0
     assert prefix_summary(plain, steps)["prefix_ghost_hits"] == 0
+
+
+def test_under_the_scenarios_ttft_slo_a_calm_multiturn_queue_lets_the_cache_go_first():
+    """The shipped multi-turn scenario at its own load: the queue never presses, so pagedweight
+    keeps the hits of vLLM's order (recompute_weight 0) and makes no downgrade for the cache."""
+    slo = multiturn("pagedweight")
+    plain = multiturn("pagedweight", "controller.recompute_weight=0")
+    assert slo.kv.ghosts.num_hits > 0, "reuse is still measured"
+    assert slo.scheduler.prefix_hit_tokens == plain.scheduler.prefix_hit_tokens
+    assert slo.num_transitions[DOWNGRADE] == plain.num_transitions[DOWNGRADE]

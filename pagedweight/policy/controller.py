@@ -29,7 +29,10 @@ Rules, per policy (``pagedweight.policy.policies``):
   loss per freed byte (the marginal planner's segments). The blocks worth more than the
   downgrades that would make room for them are protected: KV does not count them free, so a
   shortage reaches ``on_pressure``, which downgrades only as far as that is cheaper and then
-  lifts protection. Every other policy evicts cached blocks first, as vLLM does.
+  lifts protection. Under a TTFT SLO the cache is weighed only while the queue presses (its
+  projected wait past half the backlog threshold, or a backlog): recompute time that cannot
+  cost a first token its SLO is not worth quality. Every other policy evicts cached blocks
+  first, as vLLM does.
 - ``paper-greedy``: the paper's scheme: every step, re-plan with ``paper-greedy`` for the memory
   KV leaves right now and apply every difference, with no forecast, budget or hysteresis.
 - ``pagedweight`` with ``kv_offload``: a victim of preemption is swapped to host memory
@@ -236,6 +239,7 @@ class Controller:
         self._shape_fit = StepShapeFit() if ok else None
         self._fit: tuple[float, float, float] | None = None  # (s, s per prefill token, s per decode)
         self._backlog = False
+        self._queue_pressed = False
         self._calm_since: float | None = None
         self._deferring = False  # late requests were moved behind on-time ones
         self._last_prefill_tokens = 0  # of the last step: a backlog's precision is chosen on a prefill step
@@ -301,9 +305,16 @@ class Controller:
         """What keeping one page of the cached blocks next in line for eviction is worth, in
         loss units: its blocks' expected reuse (ghost hits per second per block) times the
         seconds their tokens' prefill costs, priced by ``recompute_weight`` x the ladder's loss
-        span. 0 when nothing has been observed yet (then the cache gives way first)."""
+        span. 0 when nothing has been observed yet, and under a TTFT SLO while the queue is
+        calm (its projected wait under half the backlog threshold, no backlog): then the cache
+        gives way first."""
         kv, ghosts = self.kv, self.kv.ghosts
         if ghosts is None or self._token_ema_s <= 0 or self._planner is None:
+            return 0.0
+        if self._backlog_on() and not self._queue_pressed:
+            # Under a TTFT SLO, recompute time is worth quality only while it can cost a first
+            # token its SLO. With the queue calm, a recomputed prefix delays an answer that is
+            # well inside the SLO anyway: the cache gives way first, as in vLLM's order.
             return 0.0
         recompute_s_per_s = ghosts.hit_rate_per_block(now_s) * self._token_ema_s * kv.block_tokens
         return self.settings.recompute_weight * self._planner.loss_span * recompute_s_per_s * kv.blocks_per_page
@@ -580,6 +591,9 @@ class Controller:
         s = self.settings
         enter_s = s.backlog_fraction * s.ttft_slo_s
         wait_s = self.queue_wait_s(now_s) if self.scheduler.waiting else 0.0
+        # The queue presses (cached prefixes are weighed against downgrades, cache_page_value)
+        # from the backlog's calm line up, and while the backlog holds.
+        self._queue_pressed = self._backlog or wait_s > enter_s / 2
         if wait_s > enter_s:
             self._backlog, self._calm_since = True, None
         elif self._backlog:
