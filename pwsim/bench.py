@@ -49,7 +49,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pagedweight.config.scenario import load_scenario
 from pagedweight.errors import MissingFileError, PagedWeightError, ScenarioError, read_yaml_model
 from pagedweight.results.report_data import policy_metrics, read_summary
-from pagedweight.results.writer import atomic_write_csv, atomic_write_text
+from pagedweight.results.writer import atomic_write_csv, atomic_write_text, markdown_table
+from pwsim.bench_targets import cell_verdicts, sustainable_verdicts, targets_markdown
 from pwsim.executor import Display, Job, auto_display, run_jobs
 from pwsim.sweep import EXECUTORS, _override, _run_ray, _slug, is_finished, run_cell
 
@@ -347,21 +348,6 @@ def margins(values: pd.Series) -> pd.Series:
     return pd.Series(out)
 
 
-def _md_table(df: pd.DataFrame) -> str:
-    cols = list(df.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    for _, r in df.iterrows():
-        cells = []
-        for c in cols:
-            v = r[c]
-            if isinstance(v, float):
-                cells.append("-" if not np.isfinite(v) else f"{v:.4g}")
-            else:
-                cells.append(str(v))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def bench_markdown(
     spec: SuiteSpec, table: pd.DataFrame, sustainable: pd.DataFrame, absent: dict[str, str] | None = None
 ) -> str:
@@ -374,13 +360,15 @@ def bench_markdown(
     for (_cell, _load), g in view.groupby(["cell", "load"], sort=False):
         view.loc[g.index, "goodput_margin"] = margins(g.set_index("policy")["request_goodput"]).to_numpy()
     cols = ["cell", "load", "policy", *BENCH_METRICS, "good_fraction", "goodput_margin"]
-    parts += ["## Every cell, load and policy", "", _md_table(view[cols]), ""]
+    parts += ["## Every cell, load and policy", "", markdown_table(view[cols]), ""]
     if len(sustainable):
         sv = sustainable.copy()
         sv["margin"] = np.nan
         for _cell, g in sv.groupby("cell", sort=False):
             sv.loc[g.index, "margin"] = margins(g.set_index("policy")["max_load"]).to_numpy()
-        parts += ["## Largest sustainable load", "", _md_table(sv), ""]
+        parts += ["## Largest sustainable load", "", markdown_table(sv), ""]
+    if "pagedweight" in spec.policies:
+        parts += targets_markdown(table, sustainable, "pagedweight")
     return "\n".join(parts)
 
 
@@ -429,6 +417,13 @@ def write_bench_report(spec: SuiteSpec, table: pd.DataFrame, sustainable: pd.Dat
     ]
     if len(sustainable):
         body += ["<h2>Largest sustainable load</h2>", sustainable.to_html(index=False, float_format="{:.4g}".format)]
+    if "pagedweight" in spec.policies:
+        verdicts = cell_verdicts(table, "pagedweight")
+        if len(verdicts):
+            body += ["<h2>Targets: pagedweight</h2>", verdicts.to_html(index=False, float_format="{:.4g}".format)]
+        if len(sustainable):
+            held = sustainable_verdicts(sustainable, "pagedweight")
+            body += [held.to_html(index=False, float_format="{:.4g}".format)] if len(held) else []
     head = f"<!doctype html><html><head><meta charset='utf-8'><style>{CSS}</style></head>"
     page = f"{head}<body>{''.join(body)}</body></html>"
     atomic_write_text(out_html, page)

@@ -372,3 +372,19 @@ def _json_default(v):
     if isinstance(v, np.generic):
         return v.item()
     raise TypeError(f"not JSON serialisable: {type(v).__name__}")
+
+
+def markdown_table(df: pd.DataFrame) -> str:
+    """A data frame as a Markdown table: floats to 4 significant digits, '-' where not finite."""
+    cols = list(df.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for _, r in df.iterrows():
+        cells = []
+        for c in cols:
+            v = r[c]
+            if isinstance(v, float):
+                cells.append("-" if not np.isfinite(v) else f"{v:.4g}")
+            else:
+                cells.append(str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
