@@ -3,6 +3,7 @@ blocks per page, protected blocks are not counted free, the ghost list measures 
 pagedweight controller keeps a hot cache (downgrading cheap experts instead) while it lets a
 cold one go first, as every other policy always does."""
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -276,14 +277,14 @@ def test_recompute_weight_zero_keeps_vllms_order():
     assert core.kv.protected_blocks == 0
 
 
-def test_under_a_ttft_slo_the_cache_is_weighed_only_while_the_queue_presses():
-    """Under a TTFT SLO, recompute time is worth quality only while it can cost a first token
-    its SLO: a hot cache with the queue calm gives way first (nothing protected, no downgrade
-    for it); once the queue's projected wait passes half the backlog threshold, the same cache
-    is weighed (and kept) as without an SLO."""
+def test_under_a_ttft_slo_the_cache_is_weighed_by_how_hard_the_queue_has_pressed_lately():
+    """Under a TTFT SLO, recompute time is worth quality only as far as it can cost a first
+    token its SLO: a hot cache with a calm queue gives way first (nothing protected); while the
+    queue's projected wait stays past half the backlog threshold the cache's value rises to its
+    full weight (an EMA over ``backlog_calm_s``) and the cache is kept; once calm, it decays."""
     from pagedweight.core.scheduler import Request
 
-    core, now = make_core(ttft_slo_s=2.0)  # backlog at 1 s of projected wait; the cache from 0.5 s
+    core, now = make_core(ttft_slo_s=2.0, backlog_calm_s=20.0)  # backlog at 1 s of wait, the cache from 0.5 s
     ctl = core.controller
     ctl.step_time_s = lambda ids: 0.01  # a runtime's step-time model turns the SLO machinery on
     kv = core.kv
@@ -292,19 +293,31 @@ def test_under_a_ttft_slo_the_cache_is_weighed_only_while_the_queue_presses():
     now[0] = 2.0
     core.plan_step()
     assert ctl.cache_page_value(now[0]) == 0.0 and kv.num_protected_blocks == 0
-    # A request has waited 0.6 s (its prefill: a few ms more): past the calm line, not a backlog.
-    waiting = Request(0, arrival_s=now[0] + 0.1, prompt_tokens=16, max_output_tokens=4)
-    core.scheduler.waiting.append(waiting)
-    now[0] += 0.7
-    core.plan_step()
-    assert 0.5 < ctl.queue_wait_s(now[0]) < 1.0 and not ctl.backlog
+
+    def plan_with_a_request_waiting_for(wait_s):
+        core.scheduler.waiting.clear()
+        core.scheduler.waiting.append(Request(0, arrival_s=now[0] - wait_s, prompt_tokens=16, max_output_tokens=4))
+        core.plan_step()
+        assert 0.5 < ctl.queue_wait_s(now[0]) < 1.0 and not ctl.backlog
+        return ctl.queue_pressure
+
+    # A minute with the wait past the calm line, never a backlog: the pressure rises as an EMA
+    # with a 20 s time constant, and the cache is weighed in proportion.
+    pressure = []
+    for _ in range(60):
+        now[0] += 1.0
+        pressure.append(plan_with_a_request_waiting_for(0.6))
+    assert math.isclose(pressure[0], 1 - math.exp(-1 / 20), rel_tol=1e-9), "a moment past the line adds little"
+    assert math.isclose(pressure[-1], 1 - math.exp(-60 / 20), rel_tol=1e-9)
     assert ctl.cache_page_value(now[0]) > 0
-    assert kv.num_protected_blocks == cached
-    # The queue empties: calm again, the cache gives way first at the next plan.
+    assert kv.num_protected_blocks == cached, "after a minute of pressure the hot cache is kept"
+    # Two minutes calm: it decays the same way, and the cache gives way first again.
     core.scheduler.waiting.clear()
-    now[0] += 0.1
-    core.plan_step()
-    assert ctl.cache_page_value(now[0]) == 0.0 and kv.num_protected_blocks == 0
+    for _ in range(120):
+        now[0] += 1.0
+        core.plan_step()
+    assert math.isclose(ctl.queue_pressure, pressure[-1] * math.exp(-120 / 20), rel_tol=1e-9)
+    assert kv.num_protected_blocks == 0
 
 
 @pytest.mark.parametrize("policy", ["static-fp16", "static-int4", "kv-swap", "paper-greedy"])

@@ -29,10 +29,10 @@ Rules, per policy (``pagedweight.policy.policies``):
   loss per freed byte (the marginal planner's segments). The blocks worth more than the
   downgrades that would make room for them are protected: KV does not count them free, so a
   shortage reaches ``on_pressure``, which downgrades only as far as that is cheaper and then
-  lifts protection. Under a TTFT SLO the cache is weighed only while the queue presses (its
-  projected wait past half the backlog threshold, or a backlog): recompute time that cannot
-  cost a first token its SLO is not worth quality. Every other policy evicts cached blocks
-  first, as vLLM does.
+  lifts protection. Under a TTFT SLO the cache's value is scaled by how hard the queue has
+  pressed lately (an EMA over ``backlog_calm_s`` of its projected wait being past half the
+  backlog threshold): recompute time that cannot cost a first token its SLO is not worth
+  quality. Every other policy evicts cached blocks first, as vLLM does.
 - ``paper-greedy``: the paper's scheme: every step, re-plan with ``paper-greedy`` for the memory
   KV leaves right now and apply every difference, with no forecast, budget or hysteresis.
 - ``pagedweight`` with ``kv_offload``: a victim of preemption is swapped to host memory
@@ -44,6 +44,7 @@ is pinned at its target and its old pages still count.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -239,7 +240,10 @@ class Controller:
         self._shape_fit = StepShapeFit() if ok else None
         self._fit: tuple[float, float, float] | None = None  # (s, s per prefill token, s per decode)
         self._backlog = False
-        self._queue_pressed = False
+        # How hard the queue has pressed lately (cache_page_value): an EMA, over
+        # ``backlog_calm_s``, of whether its projected wait was past the backlog's calm line.
+        self._queue_pressure = 0.0
+        self._pressure_at_s: float | None = None
         self._calm_since: float | None = None
         self._deferring = False  # late requests were moved behind on-time ones
         self._last_prefill_tokens = 0  # of the last step: a backlog's precision is chosen on a prefill step
@@ -305,19 +309,24 @@ class Controller:
         """What keeping one page of the cached blocks next in line for eviction is worth, in
         loss units: its blocks' expected reuse (ghost hits per second per block) times the
         seconds their tokens' prefill costs, priced by ``recompute_weight`` x the ladder's loss
-        span. 0 when nothing has been observed yet, and under a TTFT SLO while the queue is
-        calm (its projected wait under half the backlog threshold, no backlog): then the cache
-        gives way first."""
+        span, and under a TTFT SLO by how hard the queue has pressed lately
+        (``_update_pressure``). 0 when nothing has been observed yet, or under a TTFT SLO
+        before the queue has ever pressed: then the cache gives way first."""
         kv, ghosts = self.kv, self.kv.ghosts
         if ghosts is None or self._token_ema_s <= 0 or self._planner is None:
             return 0.0
-        if self._backlog_on() and not self._queue_pressed:
-            # Under a TTFT SLO, recompute time is worth quality only while it can cost a first
-            # token its SLO. With the queue calm, a recomputed prefix delays an answer that is
-            # well inside the SLO anyway: the cache gives way first, as in vLLM's order.
-            return 0.0
+        pressure = 1.0
+        if self._backlog_on():
+            # Under a TTFT SLO, recompute time is worth quality only as far as it can cost a
+            # first token its SLO: in proportion to how hard the queue has pressed lately. With
+            # the queue calm, a recomputed prefix delays an answer that is well inside the SLO
+            # anyway, and the cache gives way first, as in vLLM's order.
+            pressure = self._queue_pressure
+            if pressure <= 0.0:
+                return 0.0
         recompute_s_per_s = ghosts.hit_rate_per_block(now_s) * self._token_ema_s * kv.block_tokens
-        return self.settings.recompute_weight * self._planner.loss_span * recompute_s_per_s * kv.blocks_per_page
+        weight = pressure * self.settings.recompute_weight
+        return weight * self._planner.loss_span * recompute_s_per_s * kv.blocks_per_page
 
     def _protect(self, room_pages: int, now_s: float) -> int:
         """Protect the cached blocks worth more than the downgrades that would make room for them,
@@ -591,9 +600,6 @@ class Controller:
         s = self.settings
         enter_s = s.backlog_fraction * s.ttft_slo_s
         wait_s = self.queue_wait_s(now_s) if self.scheduler.waiting else 0.0
-        # The queue presses (cached prefixes are weighed against downgrades, cache_page_value)
-        # from the backlog's calm line up, and while the backlog holds.
-        self._queue_pressed = self._backlog or wait_s > enter_s / 2
         if wait_s > enter_s:
             self._backlog, self._calm_since = True, None
         elif self._backlog:
@@ -604,11 +610,32 @@ class Controller:
             elif now_s - self._calm_since >= s.backlog_calm_s:
                 self._backlog, self._calm_since, self._speed_level = False, None, None
                 self._planned_for = None  # upgrades may go above the backlog's precision again
+        self._update_pressure(now_s, self._backlog or wait_s > enter_s / 2)
         return self._backlog
+
+    def _update_pressure(self, now_s: float, pressed: bool) -> None:
+        """Fold whether the queue presses now (its projected wait past the backlog's calm line,
+        or a backlog) into ``_queue_pressure``, an EMA with time constant ``backlog_calm_s``. A
+        cached page lives tens of seconds before its reuse, so what its recompute time is worth
+        follows the pressure of that span, not of the instant: a wait that crosses the line for
+        a moment adds little, and one that comes and goes does not switch the cache's protection
+        (and with it downgrades and upgrades) on and off."""
+        last, self._pressure_at_s = self._pressure_at_s, now_s
+        target = 1.0 if pressed else 0.0
+        calm_s = self.settings.backlog_calm_s
+        if last is None or calm_s <= 0:
+            self._queue_pressure = target
+            return
+        self._queue_pressure -= math.expm1(-(now_s - last) / calm_s) * (target - self._queue_pressure)
 
     @property
     def backlog(self) -> bool:
         return self._backlog
+
+    @property
+    def queue_pressure(self) -> float:
+        """How hard the queue has pressed lately, in [0, 1] (``_update_pressure``)."""
+        return self._queue_pressure
 
     def _at_most_speed_level(self, target_ids: np.ndarray) -> np.ndarray | None:
         """A plan's precisions under backlog: none above the backlog's precision, and that
