@@ -78,3 +78,10 @@ def test_cells_without_the_policy_are_left_out_and_the_markdown_counts_them():
     assert "goodput met in 1 of 2" in text and "quality met in 2 of 2" in text and "both in 1 of 2" in text
     assert "largest sustainable load met in 1 of 1 cells" in text
     assert "**no**" in text
+
+
+def test_a_cell_where_the_policy_failed_is_not_met():
+    """An infeasible run has no figures (NaN in the scoreboard): neither target is met."""
+    table = scoreboard([("a", 1.0, "static-int4", 10.0, 0.1), ("a", 1.0, "pagedweight", math.nan, math.nan)])
+    v = cell_verdicts(table).iloc[0]
+    assert not v["goodput_met"] and not v["quality_met"]
