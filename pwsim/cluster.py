@@ -46,7 +46,7 @@ from pagedweight.policy.policies import PolicyInfeasible, relative_run_cost
 from pagedweight.results.metrics import PERCENTILES, RequestColumns, inter_token_ms, summarize_columns
 from pagedweight.results.writer import policy_summary, write_policy_tables
 from pagedweight.workload.traces import RequestTrace
-from pwsim.engine import replay_arrivals, run_until
+from pwsim.engine import replay_arrivals, run_until, verify_memory
 from pwsim.router import RequestRouter
 
 ITL_BIN_MS = 0.01
@@ -129,6 +129,7 @@ def simulate_replica(
         out["error"] = str(e)
         return out
     _run(eng.env, [eng.start()], share, progress)
+    verify_memory(eng.cores)
     out.update(_replica_result(eng, policy, replica, ids, Path(parts_dir), run, wall0))
     return out
 
@@ -157,6 +158,7 @@ def simulate_routed_cluster(loaded: LoadedScenario, run: ScenarioRun, policy: st
 
     env.process(replay_arrivals(env, trace, lambda req: engines[router.choose()].accept(req), close))
     _run(env, [e.start(arrivals=False) for e in engines], trace, progress)
+    verify_memory([core for e in engines for core in e.cores])
     return [
         {"policy": policy, "replica": i, **_replica_result(e, policy, i, None, Path(parts_dir) / str(i), run, wall0)}
         for i, e in enumerate(engines)

@@ -23,6 +23,7 @@ object ``pwgpu`` drives; only the arithmetic is replaced by the latency model.
 from __future__ import annotations
 
 import copy
+import os
 from collections import deque
 
 import numpy as np
@@ -39,6 +40,24 @@ from pagedweight.policy.importance import ImportanceTable
 from pagedweight.workload.traces import RequestTrace
 from pwsim.routing import RoutingSampler
 from pwsim.routing_source import RoutingSource
+
+# The simulator's pages move only between its own allocators, so the pool's per-call checks
+# (``PagePool.validate``) are off unless this is "1": the tests set it, and ``PagePool.check``
+# and ``KvBlockAllocator.check`` verify the whole state in them either way.
+POOL_CHECKS_ENV = "PAGEDWEIGHT_POOL_CHECKS"
+
+
+def pool_checks() -> bool:
+    return os.environ.get(POOL_CHECKS_ENV) == "1"
+
+
+def verify_memory(cores: list[RuntimeCore]) -> None:
+    """The whole memory state of each core at the end of a run (``PagePool.check``,
+    ``KvBlockAllocator.check``): a broken invariant fails the run even with the per-call checks
+    off. O(pages + blocks) once per run."""
+    for core in cores:
+        core.pool.check()
+        core.kv.check()
 
 
 class UrgentTimeout(Event):
@@ -83,6 +102,7 @@ class SimEngine:
         self.latency = latency
         self.trace = trace
         self.core = RuntimeCore(cfg, policy, table, self, clock=lambda: self.env.now)
+        self.core.pool.validate = pool_checks()
         self.model = self.core.model
         if routing is None:
             rng = np.random.default_rng(seed)  # the run's one RNG
@@ -269,6 +289,7 @@ class SimEngine:
     def run(self, progress=None) -> None:
         """Run to the last request. ``progress(now_s)`` is called every 1/200 of the trace."""
         run_until(self.env, self.start(), self.trace, progress)
+        verify_memory(self.cores)
 
 
 def run_until(env: simpy.Environment, done: Event, trace: RequestTrace, progress=None) -> None:

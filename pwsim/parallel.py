@@ -60,7 +60,7 @@ from pagedweight.policy.importance import ImportanceTable
 from pagedweight.results.metrics import Slo, StepRecorder
 from pagedweight.results.writer import _write_requests, _write_steps, label_rows, policy_summary
 from pagedweight.workload.traces import RequestTrace
-from pwsim.engine import SimEngine, replay_arrivals, run_until
+from pwsim.engine import SimEngine, replay_arrivals, run_until, verify_memory
 from pwsim.router import RequestRouter
 from pwsim.routing import RoutingSampler
 from pwsim.table_latency import A2aGrid
@@ -364,6 +364,7 @@ class EpEngine:
 
     def run(self, progress=None) -> None:
         run_until(self.env, self.start(), self.trace, progress)
+        verify_memory(self.cores)
 
     # ---- results --------------------------------------------------------------------------
     def ep_step_columns(self) -> dict[str, np.ndarray]:

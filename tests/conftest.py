@@ -2,6 +2,8 @@
 
 - Hypothesis never fails a test for being slow (no per-example deadline, no too_slow health
   check): a busy machine is not a bug.
+- The simulator's page pool checks every call's pages (``PAGEDWEIGHT_POOL_CHECKS=1``), which
+  its runs leave off for speed.
 - Torch, BLAS and OpenMP run one thread per process (unless ``OMP_NUM_THREADS`` is set): on a
   shared machine two OpenMP threads that wait for each other at every op made the engine's
   runs 2-5x slower than one thread did. Subprocesses inherit the setting.
@@ -26,6 +28,8 @@ import proc
 
 # Before anything imports torch or numpy's BLAS (conftest is imported before the test modules).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The simulator's page pool checks every call's pages here (off by default in runs: pwsim.engine).
+os.environ["PAGEDWEIGHT_POOL_CHECKS"] = "1"
 
 try:  # the dev extra has it; a GPU machine running only -m gpu may not
     from hypothesis import HealthCheck, settings

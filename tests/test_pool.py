@@ -156,3 +156,24 @@ def test_alloc_list_takes_the_pages_alloc_would():
     a.alloc_list(OWNER_KV, a.num_free - 2)
     with pytest.raises(PoolExhausted):
         a.alloc_list(OWNER_KV, 3)
+
+
+def test_without_per_call_checks_a_double_free_is_still_caught_by_the_whole_pool_check():
+    """The simulator turns the per-call checks off (``PagePool.validate``); the end of every run
+    checks the whole pool, which a double free breaks."""
+    pool = PagePool(8 * 1024, 1024)
+    pages = pool.alloc(OWNER_KV, 3)
+    pool.validate = False
+    pool.free(pages, OWNER_KV)
+    pool.free(pages[:1], OWNER_KV)  # unchecked: accepted
+    with pytest.raises(PoolError):
+        pool.check()
+
+
+def test_the_simulator_checks_each_call_only_when_asked(monkeypatch):
+    from pwsim import engine
+
+    monkeypatch.setenv(engine.POOL_CHECKS_ENV, "1")
+    assert engine.pool_checks()
+    monkeypatch.delenv(engine.POOL_CHECKS_ENV)
+    assert not engine.pool_checks()

@@ -85,6 +85,11 @@ class PagePool:
         self.reclaim: Callable[[int], None] | None = None
         self._scratch: np.ndarray | None = None  # page -> position, for the duplicate check
         self._positions = np.arange(64, dtype=np.int64)
+        # Check every page list that ``free`` and ``transfer`` are given (in range, held by the
+        # owner, listed once). A runtime whose callers are its own allocators may turn it off:
+        # the simulator does (``pwsim.engine.pool_checks``), where it was ~10% of a cluster
+        # replica's time; the tests keep it on there, and ``check`` verifies the whole pool.
+        self.validate = True
 
     # ---- queries --------------------------------------------------------------------------
     @property
@@ -165,7 +170,7 @@ class PagePool:
     def free(self, pages: np.ndarray | list[int], owner: int) -> None:
         """Return ``pages`` held by ``owner``. A page not held by ``owner`` (already free,
         someone else's, or listed twice) is an error and nothing is freed."""
-        pages = self._checked(pages, owner)
+        pages = self._checked(pages, owner) if self.validate else np.asarray(pages, dtype=np.int64)
         n = len(pages)
         self._owner_of[pages] = OWNER_FREE
         self._free_stack[self._num_free : self._num_free + n] = pages[::-1]
@@ -180,7 +185,7 @@ class PagePool:
         transition becomes the expert's weight pages)."""
         if to_owner == OWNER_FREE:
             raise PoolError("use free() to release pages")
-        pages = self._checked(pages, from_owner)
+        pages = self._checked(pages, from_owner) if self.validate else np.asarray(pages, dtype=np.int64)
         n = len(pages)
         self._owner_of[pages] = to_owner
         self._count[from_owner] -= n
