@@ -42,8 +42,8 @@ from pwsim.routing import RoutingSampler
 from pwsim.routing_source import RoutingSource
 
 # The simulator's pages move only between its own allocators, so the pool's per-call checks
-# (``PagePool.validate``) are off unless this is "1": the tests set it, and ``PagePool.check``
-# and ``KvBlockAllocator.check`` verify the whole state in them either way.
+# (``PagePool.validate``) are off unless this is "1" (the tests set it); every run still ends
+# with the whole-state checks (``verify_memory``).
 POOL_CHECKS_ENV = "PAGEDWEIGHT_POOL_CHECKS"
 
 

@@ -87,7 +87,7 @@ class PagePool:
         self._positions = np.arange(64, dtype=np.int64)
         # Check every page list that ``free`` and ``transfer`` are given (in range, held by the
         # owner, listed once). A runtime whose callers are its own allocators may turn it off:
-        # the simulator does (``pwsim.engine.pool_checks``), where it was ~10% of a cluster
+        # the simulator does (``pwsim.engine.pool_checks``), where it was 16-21% of a cluster
         # replica's time; the tests keep it on there, and ``check`` verifies the whole pool.
         self.validate = True
 
