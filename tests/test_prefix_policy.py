@@ -373,8 +373,9 @@ def test_pagedweight_keeps_a_multiturn_cache_that_vllms_order_gives_away():
 
 
 def test_under_the_scenarios_ttft_slo_a_calm_multiturn_queue_lets_the_cache_go_first():
-    """The shipped multi-turn scenario at its own load: the queue never presses, so pagedweight
-    keeps the hits of vLLM's order (recompute_weight 0) and makes no downgrade for the cache."""
+    """The shipped multi-turn scenario at its own load, its first 400 requests: the queue never
+    presses, so pagedweight keeps the hits of vLLM's order (recompute_weight 0) and makes no
+    downgrade for the cache."""
     slo = multiturn("pagedweight")
     plain = multiturn("pagedweight", "controller.recompute_weight=0")
     assert slo.kv.ghosts.num_hits > 0, "reuse is still measured"
