@@ -240,9 +240,10 @@ class _Runner:
             jobs = [Job(p.dirname, run_cell, t) for p, t in zip(todo, tasks, strict=True)]
             run_jobs(jobs, workers, self.display or auto_display(True, self.log), on_result=finished)
 
-    def offered_rate(self, probe: Probe) -> float:
-        """Requests per second the probe's trace offered (arrivals over their span)."""
-        arrival_s = pd.read_csv(self.out_dir / probe.dirname / "requests.csv", usecols=["arrival_s"])["arrival_s"]
+    def offered_rate(self, probe: Probe, policy: str) -> float:
+        """Requests per second the probe's trace offered to ``policy`` (arrivals over their span)."""
+        requests = pd.read_csv(self.out_dir / probe.dirname / "requests.csv", usecols=["policy", "arrival_s"])
+        arrival_s = requests.loc[requests["policy"] == policy, "arrival_s"]
         span_s = float(arrival_s.max() - arrival_s.min()) if len(arrival_s) > 1 else 0.0
         return len(arrival_s) / span_s if span_s > 0 else 0.0
 
@@ -304,12 +305,22 @@ def _bisect(suite: Suite, runner: _Runner, log) -> pd.DataFrame:
     at once."""
     s = suite.spec.sustainable
     pairs = [(c.name, p) for c in suite.cells for p in suite.policies(c)]
+    cell_policies = {c.name: suite.policies(c) for c in suite.cells}
+    grid_loads = set(suite.spec.loads)
+
+    def probe(cell: str, policy: str, load: float) -> Probe:
+        """The policy's own run at ``load``, or its cell's grid run where the grid has that load:
+        a policy's figures do not depend on the policies run beside it (a test checks it), so
+        the bisection does not run again what the grid ran."""
+        if load in grid_loads:
+            return suite.probe(cell, load, cell_policies[cell])
+        return suite.probe(cell, load, (policy,))
 
     def ok(cell: str, policy: str, load: float) -> bool:
-        entry = runner.summary(suite.probe(cell, load, (policy,)))["policies"][policy]
+        entry = runner.summary(probe(cell, policy, load))["policies"][policy]
         return "error" not in entry and good_fraction(entry) >= s.min_good_fraction
 
-    runner.run([suite.probe(c, x, (p,)) for c, p in pairs for x in (s.low, s.high)])
+    runner.run([probe(c, p, x) for c, p in pairs for x in (s.low, s.high)])
     bracket = {}
     for c, p in pairs:
         lo_ok, hi_ok = ok(c, p, s.low), ok(c, p, s.high)
@@ -319,7 +330,7 @@ def _bisect(suite: Suite, runner: _Runner, log) -> pd.DataFrame:
         if not live:
             break
         log(f"{suite.spec.name}: sustainable load, round {r + 1}/{s.rounds}: {len(live)} probes")
-        runner.run([suite.probe(c, mid, (p,)) for (c, p), mid in live])
+        runner.run([probe(c, p, mid) for (c, p), mid in live])
         for (c, p), mid in live:
             if ok(c, p, mid):
                 bracket[(c, p)][0] = mid
@@ -333,7 +344,7 @@ def _bisect(suite: Suite, runner: _Runner, log) -> pd.DataFrame:
             load, note = 0.0, f"< {s.low:g} (below the search)"
         else:
             load, note = lo, f"in [{lo:.3g}, {hi:.3g})"
-        qps = runner.offered_rate(suite.probe(c, load, (p,))) if load > 0 else 0.0
+        qps = runner.offered_rate(probe(c, p, load), p) if load > 0 else 0.0
         rows.append({"cell": c, "policy": p, "max_load": load, "max_request_rate": qps, "bracket": note})
     return pd.DataFrame(rows)
 

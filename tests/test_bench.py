@@ -182,3 +182,30 @@ def test_a_cell_can_run_a_subset_of_the_policies(suite_dir):
     (suite_dir / "bad.yaml").write_text(HEAD + "cells: [{name: a, scenario: tiny.yaml, policies: [static-int4]}]\n")
     with pytest.raises(BenchError, match=r"cell a: policies \['static-int4'\] are not among the suite's"):
         load_suite(suite_dir / "bad.yaml")
+
+
+def test_the_bisection_reads_the_grid_where_the_grid_has_the_load(suite_dir):
+    """low 0.5 and high 2 bracket the grid's load 1, the first midpoint: the bisection reads the
+    grid's run there instead of running each policy again, which is exact because a policy's
+    figures do not depend on the policies run beside it."""
+    from pagedweight.results.report_data import read_summary
+    from pwsim.sweep import run_cell
+
+    sust = "sustainable: {min_good_fraction: 0.9, low: 0.5, high: 2.0, rounds: 1}\n"
+    (suite_dir / "reuse.yaml").write_text(SUITE.split("loads:")[0] + "loads: [1.0]\n" + sust)
+    suite = load_suite(suite_dir / "reuse.yaml")
+    out = suite_dir / "out"
+    run_bench(suite, out, workers=1, log=lambda _: None)
+    runs = sorted(d.name for d in out.iterdir() if d.is_dir())
+    assert not [r for r in runs if r.startswith("tiny_load-1_") and "_all_" not in r], runs
+    assert [r for r in runs if r.startswith("tiny_load-1_all_")]
+    sust = pd.read_csv(out / "sustainable.csv")
+    assert set(sust["policy"]) == {"static-int4", "pagedweight"} and (sust["max_request_rate"] >= 0).all()
+    # The grid's entry of each policy is what that policy's own run gives.
+    grid = read_summary(out / suite.probe("tiny", 1.0, ("static-int4", "pagedweight")).dirname)["policies"]
+    for policy in ("static-int4", "pagedweight"):
+        alone = suite.probe("tiny", 1.0, (policy,))
+        run_cell(alone.scenario_path, list(alone.overrides), str(out / alone.dirname), {}, False)
+        entry = read_summary(out / alone.dirname)["policies"][policy]
+        same = {k: v for k, v in entry.items() if "wall" not in k}
+        assert same == {k: v for k, v in grid[policy].items() if "wall" not in k}, policy
