@@ -50,7 +50,7 @@ from pagedweight.config.scenario import load_scenario
 from pagedweight.errors import MissingFileError, PagedWeightError, ScenarioError, read_yaml_model
 from pagedweight.results.report_data import policy_metrics, read_summary
 from pagedweight.results.writer import atomic_write_csv, atomic_write_text, markdown_table
-from pwsim.bench_targets import cell_verdicts, sustainable_verdicts, targets_markdown
+from pwsim.bench_targets import cell_verdicts, margins, sustainable_verdicts, targets_markdown
 from pwsim.executor import Display, Job, auto_display, run_jobs
 from pwsim.sweep import EXECUTORS, _override, _run_ray, _slug, is_finished, run_cell
 
@@ -347,16 +347,6 @@ def _bisect(suite: Suite, runner: _Runner, log) -> pd.DataFrame:
         qps = runner.offered_rate(probe(c, p, load), p) if load > 0 else 0.0
         rows.append({"cell": c, "policy": p, "max_load": load, "max_request_rate": qps, "bracket": note})
     return pd.DataFrame(rows)
-
-
-def margins(values: pd.Series) -> pd.Series:
-    """Each policy's margin over the best *other* policy, as a fraction (+0.05: 5% better)."""
-    out = {}
-    for p, v in values.items():
-        others = values.drop(p).dropna()
-        best = others.max() if len(others) else np.nan
-        out[p] = (v - best) / best if best and np.isfinite(best) and best > 0 else np.nan
-    return pd.Series(out)
 
 
 def bench_markdown(

@@ -22,11 +22,22 @@ QUALITY_TOLERANCE = 0.10  # best, or within 10% of the best quality among those 
 
 
 def _best_other(values: pd.Series, policy: str) -> tuple[str | None, float]:
+    """The best of the other policies' ``values`` (per policy) and its value; (None, NaN) if
+    none has one."""
     others = values.drop(policy).dropna()
     if others.empty:
         return None, np.nan
     name = str(others.idxmax())
     return name, float(others[name])
+
+
+def _margin(value: float, best_other: float) -> float:
+    return (value - best_other) / best_other if best_other > 0 and np.isfinite(best_other) else np.nan
+
+
+def margins(values: pd.Series) -> pd.Series:
+    """Each policy's margin over the best *other* policy, as a fraction (+0.05: 5% better)."""
+    return pd.Series({p: _margin(v, _best_other(values, p)[1]) for p, v in values.items()})
 
 
 def cell_verdicts(table: pd.DataFrame, policy: str = "pagedweight") -> pd.DataFrame:
@@ -41,7 +52,7 @@ def cell_verdicts(table: pd.DataFrame, policy: str = "pagedweight") -> pd.DataFr
             continue
         goodput = float(g.at[policy, "request_goodput"])
         other, other_goodput = _best_other(g["request_goodput"], policy)
-        margin = (goodput - other_goodput) / other_goodput if other_goodput > 0 else np.nan
+        margin = _margin(goodput, other_goodput)
         goodput_met = bool(other is None or goodput >= (1 - GOODPUT_TOLERANCE) * other_goodput)
         reaching = g[g["request_goodput"] >= (1 - GOODPUT_TOLERANCE) * goodput]["mean_quality_proxy"].dropna()
         quality = float(g.at[policy, "mean_quality_proxy"])

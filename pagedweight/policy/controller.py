@@ -594,7 +594,8 @@ class Controller:
     def _update_backlog(self, now_s: float) -> bool:
         """Backlog on when the queue's projected wait passes ``backlog_fraction`` of the TTFT SLO;
         off once it has stayed under half of that for ``backlog_calm_s`` (hysteresis: bursts a
-        few seconds apart do not flip every expert back and forth)."""
+        few seconds apart do not flip every expert back and forth). The same look at the queue
+        updates its pressure (``_update_pressure``)."""
         if not self._backlog_on():
             return False
         s = self.settings
