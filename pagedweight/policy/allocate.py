@@ -39,9 +39,9 @@ def paper_greedy(problem: Problem, budget_bytes: int) -> Plan:
     that still leaves room for every remaining expert at the lowest precision."""
     problem.check_budget(budget_bytes)
     order, rows = problem.greedy_order
-    levels = [0] * len(order)
+    levels = np.zeros(len(order), dtype=np.int64)
     _sweep(problem, order, budget_bytes, levels, rows)
-    return make_plan(problem, "paper-greedy", np.array(levels), budget_bytes)
+    return make_plan(problem, "paper-greedy", levels, budget_bytes)
 
 
 def frequency(problem: Problem, budget_bytes: int) -> Plan:
@@ -56,14 +56,14 @@ def frequency(problem: Problem, budget_bytes: int) -> Plan:
     upgrade = t.grid(max_bytes - problem.min_bytes).sum(axis=1)
     slack = budget_bytes - int(problem.min_bytes.sum())
     share = upgrade / upgrade.sum() if upgrade.sum() > 0 else np.zeros(t.num_layers)
-    levels = [0] * t.num_rows
+    levels = np.zeros(t.num_rows, dtype=np.int64)
     carry = 0
     for layer in range(t.num_layers):
         rows = np.arange(layer * t.num_experts, (layer + 1) * t.num_experts)
         layer_budget = int(problem.min_bytes[rows].sum()) + int(slack * share[layer]) + carry
         order = rows[np.argsort(-t.routing_weight_mass[rows], kind="stable")]
         carry = layer_budget - _sweep(problem, order, layer_budget, levels)
-    return make_plan(problem, "frequency", np.array(levels), budget_bytes)
+    return make_plan(problem, "frequency", levels, budget_bytes)
 
 
 def uniform(problem: Problem, budget_bytes: int) -> Plan:
