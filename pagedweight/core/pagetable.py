@@ -82,6 +82,34 @@ class ExpertPageTable:
         self.in_flight[expert] = t
         return t
 
+    def begin_many(self, experts: list[int], to_ids: list[int]) -> list[Transition]:
+        """``begin`` for the longest leading part of (expert, to_id) pairs whose pages the pool's
+        free pages cover without reclaiming cached ones, in one allocation: the same pages in the
+        same order as one ``begin`` after another. Returns those begun; the caller begins the
+        rest one by one (each may reclaim, or find no room)."""
+        in_flight = self.in_flight
+        counts = self.pages_by_id[to_ids].tolist()
+        from_ids = self.precision_ids[experts].tolist()
+        free, seen, num = self.pool.num_free, set(), 0
+        for e, from_id, to_id, n in zip(experts, from_ids, to_ids, counts, strict=True):
+            if n > free or e in in_flight or e in seen or from_id == to_id:
+                break  # no room without reclaiming, or ``begin`` raises the error
+            free -= n
+            seen.add(e)
+            num += 1
+        if not num:
+            return []
+        pages = self.pool.alloc(OWNER_TRANSITION, sum(counts[:num]))
+        nbytes = self.bytes_by_id[to_ids[:num]].tolist()
+        out = []
+        at = 0
+        for e, from_id, to_id, n, b in zip(experts, from_ids, to_ids, counts, nbytes, strict=False):
+            t = Transition(e, from_id, to_id, pages[at : at + n], b)
+            at += n
+            in_flight[e] = t
+            out.append(t)
+        return out
+
     def commit(self, expert: int) -> Transition:
         """Flip the entry to the new pages and free the old ones."""
         t = self.in_flight.pop(expert)
@@ -95,6 +123,15 @@ class ExpertPageTable:
     def abort(self, expert: int) -> None:
         t = self.in_flight.pop(expert)
         self.pool.free(t.pages, OWNER_TRANSITION)
+
+    def abort_many(self, experts: list[int]) -> list[Transition]:
+        """``abort`` for each expert in order (each must be in flight), freeing their pages in one
+        call: the free stack ends as one ``abort`` after another leaves it."""
+        done = [self.in_flight.pop(e) for e in experts]
+        if done:
+            # ``free`` pushes its pages reversed: the last abort's pages go in first.
+            self.pool.free(np.concatenate([t.pages for t in reversed(done)]), OWNER_TRANSITION)
+        return done
 
     def check(self) -> None:
         owned = sum(len(p) for p in self.pages)

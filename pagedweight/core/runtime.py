@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -74,10 +74,9 @@ class TransitionBackend(Protocol):
         """Complete every upgrade whose copy has landed; called at the start of each step."""
 
 
-@dataclass(frozen=True, slots=True)
-class TransitionRecord:
+class TransitionRecord(NamedTuple):
     """One row of transitions.csv: a precision change that happened (``kind`` ABORT: an upgrade
-    abandoned, which changed nothing)."""
+    abandoned, which changed nothing). A named tuple: a run may log millions."""
 
     time_s: float
     expert: int  # flat index: moe_layer * num_experts + expert
@@ -410,6 +409,53 @@ class RuntimeCore:
                 self._weight_read.observe(tokens_per_expert)
 
     def apply(self, changes: list[Change]) -> None:
+        # A plan that aborts every upgrade in flight, or starts hundreds (paper-greedy re-plans
+        # a 6,144-expert model at every change of KV), goes to the pool in one call per run of
+        # aborts or upgrades; the result is what one change after another gives.
+        i, n = 0, len(changes)
+        while i < n:
+            kind = changes[i].kind
+            j = i + 1
+            while j < n and changes[j].kind is kind:
+                j += 1
+            if j - i > 1 and kind is ABORT:
+                self._abort_run(changes[i:j])
+            elif j - i > 1 and kind is UPGRADE:
+                self._apply_each(changes[i + self._upgrade_run(changes[i:j]) : j])
+            else:
+                self._apply_each(changes[i:j])
+            i = j
+
+    def _abort_run(self, changes: list[Change]) -> None:
+        pt, applied = self.page_table, self._step_changes
+        in_flight = pt.in_flight
+        live = [c for c in {c.expert: c for c in reversed(changes)}.values() if c.expert in in_flight]
+        live.reverse()  # each expert's first abort, in order (a repeat finds nothing in flight)
+        backend = self.backend
+        for c in live:
+            backend.abort_upgrade(in_flight[c.expert])
+        done = pt.abort_many([c.expert for c in live])
+        now_s, per_layer, names = self.clock(), self.model.num_experts, PRECISION_NAMES
+        self.num_transitions[ABORT] += len(done)
+        self.transitions.extend(
+            TransitionRecord(now_s, t.expert, t.expert // per_layer, names[t.from_id], names[t.to_id], ABORT, 0)
+            for t in done
+        )
+        if applied is not None:
+            applied.extend(live)
+
+    def _upgrade_run(self, changes: list[Change]) -> int:
+        """Begin the leading upgrades of a run that the pool's free pages cover, with one
+        allocation (``ExpertPageTable.begin_many``); returns how many were begun."""
+        started = self.page_table.begin_many([c.expert for c in changes], [c.to_id for c in changes])
+        applied, backend = self._step_changes, self.backend
+        for c, t in zip(changes, started, strict=False):
+            backend.start_upgrade(t)
+            if applied is not None:
+                applied.append(c)
+        return len(started)
+
+    def _apply_each(self, changes: list[Change]) -> None:
         pt, applied = self.page_table, self._step_changes
         for c in changes:
             if c.kind is ABORT:
