@@ -182,6 +182,12 @@ class _Throttle:
             self.send(fraction)
 
 
+def dispatch_order(jobs: Sequence[Job]) -> list[int]:
+    """The order workers take jobs in: costliest first (the longest runs start early, so the
+    workers finish together), equal costs in job order."""
+    return sorted(range(len(jobs)), key=lambda i: -jobs[i].cost)
+
+
 def _run_in_workers(jobs: Sequence[Job], num_workers: int, display: Display, finished) -> None:
     ctx = mp.get_context("spawn")
     procs: list[mp.process.BaseProcess] = []
@@ -201,7 +207,7 @@ def _run_in_workers(jobs: Sequence[Job], num_workers: int, display: Display, fin
             child_end.close()
             procs.append(p)
             conns.append(parent_end)
-        todo = deque(sorted(range(len(jobs)), key=lambda i: -jobs[i].cost))  # stable: ties keep their order
+        todo = deque(dispatch_order(jobs))
         busy: dict[int, tuple[int, float]] = {}  # worker -> (job index, start time)
 
         def assign(w: int) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from pagedweight.config.scenario import load_scenario
 from pagedweight.errors import PagedWeightError
-from pwsim.executor import Job, LineDisplay, run_jobs
+from pwsim.executor import Job, LineDisplay, dispatch_order, run_jobs
 from pwsim.run import run_scenario
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -70,18 +70,26 @@ def test_executor_order_lines_and_errors():
 
 def _started_at(x, progress):
     start_s = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process
-    time.sleep(0.2)
-    return (x, start_s)
+    time.sleep(0.05)
+    return (x, os.getpid(), start_s)
 
 
 def test_workers_take_the_costliest_jobs_first_and_results_keep_job_order():
     costs = [1.0, 1.0, 3.0, 2.0, 1.0]
     jobs = [Job(f"j{i}", _started_at, (i,), cost=c) for i, c in enumerate(costs)]
+    order = dispatch_order(jobs)
+    assert order == [2, 3, 0, 1, 4]  # costliest first; equal costs in job order
     results = run_jobs(jobs, 2)
-    assert [x for x, _ in results] == [0, 1, 2, 3, 4]
-    start_s = [s for _, s in results]
-    assert max(start_s[2], start_s[3]) < min(start_s[0], start_s[1], start_s[4])  # 2 and 3 went first
-    assert start_s[4] > max(start_s[0], start_s[1])  # equal costs: in job order
+    assert [x for x, _, _ in results] == [0, 1, 2, 3, 4]
+    # Each worker ran its jobs in dispatch order, and the first two went out first, one to each
+    # worker (start times across workers depend on when each worker process got going).
+    by_worker: dict[int, list[tuple[float, int]]] = {}
+    for x, pid, start_s in results:
+        by_worker.setdefault(pid, []).append((start_s, x))
+    ran = [[x for _, x in sorted(v)] for v in by_worker.values()]
+    assert len(ran) == 2 and {r[0] for r in ran} == {2, 3}
+    for r in ran:
+        assert r == sorted(r, key=order.index)
 
 
 def test_run_prints_a_line_per_policy_when_not_on_a_terminal(tmp_path):
