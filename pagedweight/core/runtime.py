@@ -25,10 +25,9 @@ check, lives here once.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -38,6 +37,7 @@ from pagedweight.core.pool import OWNER_PINNED, PagePool
 from pagedweight.core.scheduler import Batch, Request, Scheduler, SchedulerConfig
 from pagedweight.core.spec import PRECISION_ID, PRECISION_NAMES, ModelSpec
 from pagedweight.core.step import StepShape
+from pagedweight.core.transition_log import TransitionLog
 from pagedweight.errors import ConfigError, PagedWeightError, PoolExhausted
 from pagedweight.policy.controller import (
     ABORT,
@@ -53,7 +53,6 @@ from pagedweight.policy.latency_cap import WeightReadStepTime
 from pagedweight.policy.policies import DYNAMIC_POLICIES, policy_ladder, setup_policy
 from pagedweight.results.metrics import StepRecorder
 
-TRANSITION_COLUMNS = ("time_s", "expert", "layer", "from_precision", "to_precision", "kind", "bytes")
 # Pages of at least 32 KiB when a runtime derives the page size: small enough that a tiny
 # model's expert matrices span several pages (so a downgrade frees some), large enough for a KV block.
 MIN_DERIVED_PAGE_BYTES = 1 << 15
@@ -72,31 +71,6 @@ class TransitionBackend(Protocol):
 
     def poll(self) -> None:
         """Complete every upgrade whose copy has landed; called at the start of each step."""
-
-
-class TransitionRecord(NamedTuple):
-    """One row of transitions.csv: a precision change that happened (``kind`` ABORT: an upgrade
-    abandoned, which changed nothing). A named tuple: a run may log millions."""
-
-    time_s: float
-    expert: int  # flat index: moe_layer * num_experts + expert
-    layer: int  # MoE layer
-    from_precision: str
-    to_precision: str
-    kind: ChangeKind
-    num_bytes: int  # bytes of the expert at ``to_precision`` (0 for ABORT)
-
-    def row(self) -> tuple:
-        """The values in ``TRANSITION_COLUMNS`` order."""
-        return (
-            self.time_s,
-            self.expert,
-            self.layer,
-            self.from_precision,
-            self.to_precision,
-            self.kind.value,
-            self.num_bytes,
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,7 +259,7 @@ class RuntimeCore:
         # are kept; the counts cover them all.
         window = cfg.history_window
         self.steps = StepRecorder(max_rows=window)
-        self.transitions: list[TransitionRecord] | deque[TransitionRecord] = deque(maxlen=window) if window else []
+        self.transitions = TransitionLog(max_rows=window)
         self.num_transitions = dict.fromkeys(ChangeKind, 0)  # every change, beyond the window too
         # Called with every step once it is recorded (tests compare runtimes step by step).
         self.on_step: Callable[[Step], None] | None = None
@@ -435,12 +409,13 @@ class RuntimeCore:
         for c in live:
             backend.abort_upgrade(in_flight[c.expert])
         done = pt.abort_many([c.expert for c in live])
-        now_s, per_layer, names = self.clock(), self.model.num_experts, PRECISION_NAMES
+        per_layer = self.model.num_experts
+        experts = [t.expert for t in done]
         self.num_transitions[ABORT] += len(done)
         self.transitions.extend(
-            TransitionRecord(now_s, t.expert, t.expert // per_layer, names[t.from_id], names[t.to_id], ABORT, 0)
-            for t in done
-        )
+            self.clock(), experts, [e // per_layer for e in experts], [t.from_id for t in done],
+            [t.to_id for t in done], ABORT, [0] * len(done),
+        )  # fmt: skip
         if applied is not None:
             applied.extend(live)
 
@@ -502,17 +477,7 @@ class RuntimeCore:
     def _log(self, t: Transition, kind: ChangeKind, num_bytes: int) -> None:
         e = t.expert
         self.num_transitions[kind] += 1
-        self.transitions.append(
-            TransitionRecord(
-                self.clock(),
-                e,
-                e // self.model.num_experts,
-                PRECISION_NAMES[t.from_id],
-                PRECISION_NAMES[t.to_id],
-                kind,
-                num_bytes,
-            )
-        )
+        self.transitions.append(self.clock(), e, e // self.model.num_experts, t.from_id, t.to_id, kind, num_bytes)
 
     def quality_recount(self) -> float:
         """The quality proxy summed afresh over every expert's current precision."""
