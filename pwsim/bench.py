@@ -216,17 +216,33 @@ class _Runner:
         self.ran: list[str] = []
         self.skipped: list[str] = []
 
-    def run(self, probes: list[Probe]) -> None:
-        """Run every probe not finished yet (each once, even if listed twice)."""
+    def finished(self, probe: Probe) -> bool:
+        """Whether ``probe``'s run is on disk; one this invocation did not run counts as skipped."""
+        done = is_finished(self.out_dir / probe.dirname)
+        if done and probe.dirname not in self.ran and probe.dirname not in self.skipped:
+            self.skipped.append(probe.dirname)
+        return done
+
+    def run(self, probes: list[Probe], then=None) -> list[Probe]:
+        """Run every probe not finished yet (each once, even if listed twice). ``then(probe)``,
+        called as each finishes, returns probes to run next, in the same workers (the local
+        executor; Ray runs the list given and returns what ``then`` asked for, to run next)."""
         unique = {p.dirname: p for p in probes}
         todo = [p for name, p in unique.items() if not is_finished(self.out_dir / name)]
-        self.skipped += [name for name in unique if unique[name] not in todo]
+        self.skipped += [name for name in unique if unique[name] not in todo and name not in self.skipped]
+        queued = {p.dirname for p in todo}
+        later: list[Probe] = []
+
+        def fresh(more: list[Probe]) -> list[Probe]:
+            out = []
+            for p in more:
+                if p.dirname not in queued and not self.finished(p):
+                    queued.add(p.dirname)
+                    out.append(p)
+            return out
+
         if not todo:
-            return
-        tasks = [
-            (p.scenario_path, list(p.overrides), str(self.out_dir / p.dirname), {"cell": p.cell, "load": p.load}, False)
-            for p in todo
-        ]
+            return []
         workers = self.workers or max(1, min(len(todo), os.cpu_count() or 1))
 
         def finished(_i: int, r: dict) -> str:
@@ -234,11 +250,31 @@ class _Runner:
             return f"[{len(self.ran)}] {r['cell']} ({r['wall_s']:.1f} s)"
 
         if self.executor == "ray":
-            for r in _run_ray(tasks, self.address, workers):
+            for r in _run_ray([self._task(p) for p in todo], self.address, workers):
                 self.log(finished(0, r))
-        else:
-            jobs = [Job(p.dirname, run_cell, t) for p, t in zip(todo, tasks, strict=True)]
-            run_jobs(jobs, workers, self.display or auto_display(True, self.log), on_result=finished)
+            if then is not None:
+                for p in todo:
+                    later += fresh(then(p))
+            return later
+        jobs = [Job(p.dirname, run_cell, self._task(p)) for p in todo]
+
+        def follow(i: int, _r: dict) -> list[Job]:
+            more = fresh(then(todo[i]))
+            todo.extend(more)
+            return [Job(p.dirname, run_cell, self._task(p)) for p in more]
+
+        display = self.display or auto_display(True, self.log)
+        run_jobs(jobs, workers, display, on_result=finished, then=follow if then is not None else None)
+        return []
+
+    def _task(self, p: Probe) -> tuple:
+        return (
+            p.scenario_path,
+            list(p.overrides),
+            str(self.out_dir / p.dirname),
+            {"cell": p.cell, "load": p.load},
+            False,
+        )
 
     def offered_rate(self, probe: Probe, policy: str) -> float:
         """Requests per second the probe's trace offered to ``policy`` (arrivals over their span)."""
@@ -275,7 +311,10 @@ def run_bench(
     for cell, why in suite.absent.items():
         log(f"{spec.name}: cell {cell} skipped (optional, a file is absent): {why}")
     log(f"{spec.name}: {len(suite.cells)} cells x {len(spec.loads)} loads x {len(policies)} policies")
-    runner.run(grid)
+    search = _Bisection(suite, runner) if spec.sustainable else None
+    todo = grid + (search.start() if search else [])
+    while todo:  # one pass with the local executor; Ray runs the bisection round by round
+        todo = runner.run(todo, then=search.after if search else None)
     rows = []
     for probe in grid:
         summary = runner.summary(probe)
@@ -286,7 +325,7 @@ def run_bench(
             row["good_fraction"] = good_fraction(entry)
             rows.append(row)
     table = pd.DataFrame(rows)
-    sustainable = _bisect(suite, runner, log) if spec.sustainable else pd.DataFrame()
+    sustainable = search.table() if search else pd.DataFrame()
     atomic_write_csv(table, out_dir / "bench.csv")
     if len(sustainable):
         atomic_write_csv(sustainable, out_dir / "sustainable.csv")
@@ -299,54 +338,86 @@ def run_bench(
     return {"ran": runner.ran, "skipped": runner.skipped, "table": table, "sustainable": sustainable}
 
 
-def _bisect(suite: Suite, runner: _Runner, log) -> pd.DataFrame:
-    """Largest sustainable load per cell and policy: probe ``low`` and ``high`` for every pair,
-    then halve the bracket (geometrically) ``rounds`` times, every pair's probe of a round run
-    at once."""
-    s = suite.spec.sustainable
-    pairs = [(c.name, p) for c in suite.cells for p in suite.policies(c)]
-    cell_policies = {c.name: suite.policies(c) for c in suite.cells}
-    grid_loads = set(suite.spec.loads)
+class _Bisection:
+    """Largest sustainable load per cell and policy: probe ``low`` and ``high``, then halve the
+    bracket (geometrically) ``rounds`` times. Each pair advances on its own: its next probe is
+    run as soon as the runs it depends on have finished (its cell's grid runs, its last probe),
+    in the same workers as the grid, so none waits for a whole round or for the grid to end."""
 
-    def probe(cell: str, policy: str, load: float) -> Probe:
+    def __init__(self, suite: Suite, runner: _Runner):
+        self.s, self.suite, self.runner = suite.spec.sustainable, suite, runner
+        self.cell_policies = {c.name: suite.policies(c) for c in suite.cells}
+        self.pairs = [(c.name, p) for c in suite.cells for p in suite.policies(c)]
+        self.grid_loads = set(suite.spec.loads)
+        self.bracket: dict[tuple[str, str], list] = {}  # pair -> [lo, hi, lo_ok, hi_ok]
+        self.rounds: dict[tuple[str, str], int] = {}
+        self.waiting: dict[str, set[tuple[str, str]]] = {}  # probe dirname -> pairs waiting on it
+
+    def probe(self, cell: str, policy: str, load: float) -> Probe:
         """The policy's own run at ``load``, or its cell's grid run where the grid has that load:
         a policy's figures do not depend on the policies run beside it (a test checks it), so
         the bisection does not run again what the grid ran."""
-        if load in grid_loads:
-            return suite.probe(cell, load, cell_policies[cell])
-        return suite.probe(cell, load, (policy,))
+        if load in self.grid_loads:
+            return self.suite.probe(cell, load, self.cell_policies[cell])
+        return self.suite.probe(cell, load, (policy,))
 
-    def ok(cell: str, policy: str, load: float) -> bool:
-        entry = runner.summary(probe(cell, policy, load))["policies"][policy]
-        return "error" not in entry and good_fraction(entry) >= s.min_good_fraction
+    def ok(self, cell: str, policy: str, load: float) -> bool:
+        entry = self.runner.summary(self.probe(cell, policy, load))["policies"][policy]
+        return "error" not in entry and good_fraction(entry) >= self.s.min_good_fraction
 
-    runner.run([probe(c, p, x) for c, p in pairs for x in (s.low, s.high)])
-    bracket = {}
-    for c, p in pairs:
-        lo_ok, hi_ok = ok(c, p, s.low), ok(c, p, s.high)
-        bracket[(c, p)] = [s.low, s.high, lo_ok, hi_ok]
-    for r in range(s.rounds):
-        live = [(k, math.sqrt(v[0] * v[1])) for k, v in bracket.items() if v[2] and not v[3]]
-        if not live:
-            break
-        log(f"{suite.spec.name}: sustainable load, round {r + 1}/{s.rounds}: {len(live)} probes")
-        runner.run([probe(c, p, mid) for (c, p), mid in live])
-        for (c, p), mid in live:
-            if ok(c, p, mid):
-                bracket[(c, p)][0] = mid
+    def start(self) -> list[Probe]:
+        """The probes every pair needs first (the grid's runs, where it has the loads)."""
+        return [p for pair in self.pairs for p in self._advance(pair)]
+
+    def after(self, probe: Probe) -> list[Probe]:
+        """``probe`` has finished: the probes the pairs waiting on it need next."""
+        return [p for pair in sorted(self.waiting.pop(probe.dirname, ())) for p in self._advance(pair)]
+
+    def _wait(self, pair: tuple[str, str], probes: list[Probe]) -> list[Probe]:
+        for p in probes:
+            self.waiting.setdefault(p.dirname, set()).add(pair)
+        return probes
+
+    def _advance(self, pair: tuple[str, str]) -> list[Probe]:
+        """Take the pair's search as far as finished runs allow; the probes it waits on."""
+        s, cell, policy = self.s, *pair
+        while True:
+            b = self.bracket.get(pair)
+            if b is None:
+                ends = [self.probe(cell, policy, x) for x in (s.low, s.high)]
+                todo = [p for p in ends if not self.runner.finished(p)]
+                if todo:
+                    return self._wait(pair, todo)
+                self.bracket[pair] = [s.low, s.high, self.ok(cell, policy, s.low), self.ok(cell, policy, s.high)]
+                self.rounds[pair] = 0
+                continue
+            lo, hi, lo_ok, hi_ok = b
+            if not lo_ok or hi_ok or self.rounds[pair] >= s.rounds:
+                return []
+            mid = math.sqrt(lo * hi)
+            probe = self.probe(cell, policy, mid)
+            if not self.runner.finished(probe):
+                r = self.rounds[pair] + 1
+                self.runner.log(
+                    f"{self.suite.spec.name}: sustainable load of {policy} on {cell}, round {r}/{s.rounds}: {mid:.3g}x"
+                )
+                return self._wait(pair, [probe])
+            b[0 if self.ok(cell, policy, mid) else 1] = mid
+            self.rounds[pair] += 1
+
+    def table(self) -> pd.DataFrame:
+        s, rows = self.s, []
+        for c, p in self.pairs:
+            lo, hi, lo_ok, hi_ok = self.bracket[(c, p)]
+            if hi_ok:
+                load, note = s.high, f">= {s.high:g} (the top of the search)"
+            elif not lo_ok:
+                load, note = 0.0, f"< {s.low:g} (below the search)"
             else:
-                bracket[(c, p)][1] = mid
-    rows = []
-    for (c, p), (lo, hi, lo_ok, hi_ok) in bracket.items():
-        if hi_ok:
-            load, note = s.high, f">= {s.high:g} (the top of the search)"
-        elif not lo_ok:
-            load, note = 0.0, f"< {s.low:g} (below the search)"
-        else:
-            load, note = lo, f"in [{lo:.3g}, {hi:.3g})"
-        qps = runner.offered_rate(probe(c, p, load), p) if load > 0 else 0.0
-        rows.append({"cell": c, "policy": p, "max_load": load, "max_request_rate": qps, "bracket": note})
-    return pd.DataFrame(rows)
+                load, note = lo, f"in [{lo:.3g}, {hi:.3g})"
+            qps = self.runner.offered_rate(self.probe(c, p, load), p) if load > 0 else 0.0
+            rows.append({"cell": c, "policy": p, "max_load": load, "max_request_rate": qps, "bracket": note})
+        return pd.DataFrame(rows)
 
 
 def bench_markdown(

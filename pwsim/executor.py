@@ -66,6 +66,9 @@ class Display:
 
     def done(self, index: int, line: str) -> None: ...
 
+    def add(self, jobs: Sequence[Job]) -> None:
+        """More jobs joined the run (their indices follow the earlier ones)."""
+
     def close(self) -> None: ...
 
 
@@ -114,6 +117,11 @@ class BarDisplay(Display):
         self.bar.update(1)
         self._postfix()
 
+    def add(self, jobs: Sequence[Job]) -> None:
+        self.names += [j.name for j in jobs]
+        self.bar.total += len(jobs)
+        self.bar.refresh()
+
     def close(self) -> None:
         if getattr(self, "bar", None) is not None:
             self.bar.close()
@@ -143,26 +151,42 @@ def run_jobs(
     workers: int,
     display: Display | None = None,
     on_result: Callable[[int, Any], str | None] | None = None,
+    then: Callable[[int, Any], Sequence[Job]] | None = None,
 ) -> list[Any]:
     """Run every job; results in job order. ``on_result(index, result)`` is called in the
-    parent as each job finishes and may return the line the display shows for it."""
+    parent as each job finishes and may return the line the display shows for it. ``then(index,
+    result)``, called next, may return more jobs: they join the same workers (no worker idles
+    waiting for a whole batch to end) and their results follow in the list."""
+    jobs = list(jobs)
     display = display or Display()
     display.start(jobs)
     results: list[Any] = [None] * len(jobs)
 
-    def finished(index: int, result: Any, wall_s: float) -> None:
+    def finished(index: int, result: Any, wall_s: float) -> list[int]:
         results[index] = result
         line = on_result(index, result) if on_result else None
         display.done(index, line or f"{jobs[index].name}: done ({wall_s:.1f} s)")
+        more = list(then(index, result)) if then else []
+        if not more:
+            return []
+        first = len(jobs)
+        jobs.extend(more)
+        results.extend([None] * len(more))
+        display.add(more)
+        return list(range(first, len(jobs)))
 
     try:
-        if workers <= 1 or len(jobs) <= 1:
-            for i, job in enumerate(jobs):
+        if workers <= 1 or (len(jobs) <= 1 and then is None):
+            i = 0
+            while i < len(jobs):
+                job = jobs[i]
                 t0 = time.perf_counter()
                 result = job.fn(*job.args, progress=_Throttle(lambda f, i=i: display.update(i, f)))
                 finished(i, result, time.perf_counter() - t0)
-        else:
-            _run_in_workers(jobs, min(workers, len(jobs)), display, finished)
+                i += 1
+        elif jobs:
+            # Without ``then`` no job joins later: no more workers than jobs.
+            _run_in_workers(jobs, workers if then else min(workers, len(jobs)), display, finished)
     finally:
         display.close()
     return results
@@ -188,7 +212,8 @@ def dispatch_order(jobs: Sequence[Job]) -> list[int]:
     return sorted(range(len(jobs)), key=lambda i: -jobs[i].cost)
 
 
-def _run_in_workers(jobs: Sequence[Job], num_workers: int, display: Display, finished) -> None:
+def _run_in_workers(jobs: list[Job], num_workers: int, display: Display, finished) -> None:
+    """``finished(index, result, wall_s)`` returns the indices of jobs it added to ``jobs``."""
     ctx = mp.get_context("spawn")
     procs: list[mp.process.BaseProcess] = []
     conns: list[Connection] = []
@@ -209,6 +234,7 @@ def _run_in_workers(jobs: Sequence[Job], num_workers: int, display: Display, fin
             conns.append(parent_end)
         todo = deque(dispatch_order(jobs))
         busy: dict[int, tuple[int, float]] = {}  # worker -> (job index, start time)
+        idle: list[int] = []  # workers waiting for a job that a finishing one may yet add
 
         def assign(w: int) -> None:
             if todo:
@@ -217,7 +243,7 @@ def _run_in_workers(jobs: Sequence[Job], num_workers: int, display: Display, fin
                 conns[w].send((i, job.fn, job.args))
                 busy[w] = (i, time.perf_counter())
             else:
-                conns[w].send(None)
+                idle.append(w)
 
         for w in range(num_workers):
             assign(w)
@@ -240,10 +266,18 @@ def _run_in_workers(jobs: Sequence[Job], num_workers: int, display: Display, fin
                     display.update(i, msg[2])
                 elif msg[0] == "done":
                     start_s = busy.pop(w)[1]
-                    finished(i, msg[2], time.perf_counter() - start_s)
+                    added = finished(i, msg[2], time.perf_counter() - start_s)
+                    if added:
+                        ranked = sorted([*todo, *added], key=lambda j: -jobs[j].cost)  # stable, as dispatch_order
+                        todo.clear()
+                        todo.extend(ranked)
+                        while idle and todo:
+                            assign(idle.pop())
                     assign(w)
                 else:  # "failed": the job's own exception
                     raise msg[2]
+        for w in idle:
+            conns[w].send(None)
     finally:
         _stop(procs, conns)
 

@@ -226,3 +226,26 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path, group, command):
         }
     else:
         assert not (out / "summary.json").exists() and not list(out.glob(".parts-*"))
+
+
+def _tenfold(x, progress):
+    return 10 * x
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_jobs_added_as_others_finish_run_in_the_same_workers(workers):
+    """``then`` adds jobs while the run goes on (the bench's bisection follows each cell's grid
+    runs this way): every added job runs, once, and its result follows in the list."""
+    added: list[int] = []
+
+    def then(index, result):
+        if result < 30 and result % 10 == 0:  # the first generation each add one more job
+            added.append(index)
+            return [Job(f"after-{index}", _tenfold, (result // 10 + 10,))]
+        return []
+
+    jobs = [Job(f"j{i}", _tenfold, (i,)) for i in range(3)]
+    results = run_jobs(jobs, workers, then=then)
+    assert results[:3] == [0, 10, 20]
+    assert sorted(results[3:]) == [100, 110, 120] and len(results) == 6
+    assert sorted(added) == [0, 1, 2]
