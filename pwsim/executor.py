@@ -156,7 +156,8 @@ def run_jobs(
     """Run every job; results in job order. ``on_result(index, result)`` is called in the
     parent as each job finishes and may return the line the display shows for it. ``then(index,
     result)``, called next, may return more jobs: they join the same workers (no worker idles
-    waiting for a whole batch to end) and their results follow in the list."""
+    waiting for a whole batch to end), ahead of the jobs not started yet (costliest first), and
+    their results follow in the list."""
     jobs = list(jobs)
     display = display or Display()
     display.start(jobs)
@@ -177,13 +178,13 @@ def run_jobs(
 
     try:
         if workers <= 1 or (len(jobs) <= 1 and then is None):
-            i = 0
-            while i < len(jobs):
+            todo = deque(range(len(jobs)))
+            while todo:
+                i = todo.popleft()
                 job = jobs[i]
                 t0 = time.perf_counter()
                 result = job.fn(*job.args, progress=_Throttle(lambda f, i=i: display.update(i, f)))
-                finished(i, result, time.perf_counter() - t0)
-                i += 1
+                todo.extendleft(sorted(finished(i, result, time.perf_counter() - t0), key=lambda j: jobs[j].cost))
         elif jobs:
             # Without ``then`` no job joins later: no more workers than jobs.
             _run_in_workers(jobs, workers if then else min(workers, len(jobs)), display, finished)
@@ -268,9 +269,9 @@ def _run_in_workers(jobs: list[Job], num_workers: int, display: Display, finishe
                     start_s = busy.pop(w)[1]
                     added = finished(i, msg[2], time.perf_counter() - start_s)
                     if added:
-                        ranked = sorted([*todo, *added], key=lambda j: -jobs[j].cost)  # stable, as dispatch_order
-                        todo.clear()
-                        todo.extend(ranked)
+                        # Ahead of the jobs not started yet: they continue work under way (a
+                        # search's next probe, with later rounds waiting on it).
+                        todo.extendleft(sorted(added, key=lambda j: jobs[j].cost))
                         while idle and todo:
                             assign(idle.pop())
                     assign(w)

@@ -249,3 +249,14 @@ def test_jobs_added_as_others_finish_run_in_the_same_workers(workers):
     assert results[:3] == [0, 10, 20]
     assert sorted(results[3:]) == [100, 110, 120] and len(results) == 6
     assert sorted(added) == [0, 1, 2]
+
+
+def test_added_jobs_go_ahead_of_those_not_started():
+    order: list[int] = []
+
+    def then(index, result):
+        order.append(result)
+        return [Job("follow", _tenfold, (7,))] if result == 0 else []
+
+    run_jobs([Job(f"j{i}", _tenfold, (i,)) for i in range(3)], 1, then=then)
+    assert order == [0, 70, 10, 20]
