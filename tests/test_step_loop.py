@@ -129,3 +129,34 @@ def test_replayed_routing_must_match_the_step():
     assert replay.sample(6) is not None
     with pytest.raises(PagedWeightError, match="only 1 recorded"):
         replay.sample(6)
+
+
+def test_runs_of_aborts_and_upgrades_apply_as_one_change_after_another():
+    """``apply`` sends runs of aborts and upgrades to the pool in one call each: the pages,
+    the log and the changes applied are those of one change at a time, repeats included."""
+    from pagedweight.core.pool import OWNER_TRANSITION
+    from pagedweight.core.spec import PRECISION_ID
+    from pagedweight.policy.controller import ABORT, DOWNGRADE, UPGRADE, Change
+
+    int4, bf16 = PRECISION_ID["int4"], PRECISION_ID["bf16"]
+    cores = [make_core(budget_mib=64)[0] for _ in range(2)]
+    n = cores[0].page_table.num_experts
+    down = [Change(DOWNGRADE, e, int4) for e in range(6)]
+    up = [Change(UPGRADE, e, bf16) for e in (4, 1, 3, 0)]
+    aborts = [Change(ABORT, e, int4) for e in (3, 4, 3, n - 1, 1)]  # a repeat, one not in flight
+    for i, core in enumerate(cores):
+        core._step_changes = []
+        for batch in (down, up, aborts, up[:2]):
+            if i == 0:
+                core.apply(batch)
+            else:
+                core._apply_each(batch)
+    a, b = cores
+    assert a._step_changes == b._step_changes
+    assert list(a.transitions) == list(b.transitions)
+    assert {e: t.pages.tolist() for e, t in a.page_table.in_flight.items()} == {
+        e: t.pages.tolist() for e, t in b.page_table.in_flight.items()
+    }
+    assert a.pool._free_stack[: a.pool.num_free].tolist() == b.pool._free_stack[: b.pool.num_free].tolist()
+    assert a.pool.num_owned(OWNER_TRANSITION) == b.pool.num_owned(OWNER_TRANSITION) > 0
+    assert [c.expert for c in a._step_changes if c.kind is ABORT] == [3, 4, 1]

@@ -403,8 +403,11 @@ class RuntimeCore:
     def _abort_run(self, changes: list[Change]) -> None:
         pt, applied = self.page_table, self._step_changes
         in_flight = pt.in_flight
-        live = [c for c in {c.expert: c for c in reversed(changes)}.values() if c.expert in in_flight]
-        live.reverse()  # each expert's first abort, in order (a repeat finds nothing in flight)
+        live, seen = [], set()
+        for c in changes:  # each expert's first abort, in order (a repeat finds nothing in flight)
+            if c.expert in in_flight and c.expert not in seen:
+                seen.add(c.expert)
+                live.append(c)
         backend = self.backend
         for c in live:
             backend.abort_upgrade(in_flight[c.expert])
