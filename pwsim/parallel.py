@@ -59,8 +59,8 @@ from pagedweight.policy.controller import DOWNGRADE
 from pagedweight.policy.importance import ImportanceTable
 from pagedweight.results.metrics import Slo, StepRecorder
 from pagedweight.results.writer import (
+    _write_columns,
     _write_requests,
-    _write_steps,
     label_rows,
     policy_summary,
     transition_frame,
@@ -478,7 +478,7 @@ def write_ep_tables(parts_dir: Path, policy: str, eng: EpEngine, replica: int | 
     """The replica's tables (see the module docstring) as CSV files in ``parts_dir``; with
     ``replica`` (a cluster's), a ``replica`` column after ``policy``."""
     parts_dir.mkdir(parents=True, exist_ok=True)
-    _write_steps(parts_dir / "steps.csv", policy, eng.replica_steps(), replica)
+    _write_columns(parts_dir / "steps.csv", policy, eng.replica_steps(), replica)
     _write_requests(parts_dir / "requests.csv", policy, eng.requests, replica)
     num_experts = eng.model.num_experts
     transitions, initial = [], []

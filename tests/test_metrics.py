@@ -127,7 +127,7 @@ def test_step_recorder_window_keeps_the_newest_rows_across_blocks(window):
 def test_step_table_written_in_slices_is_the_whole_table(tmp_path):
     import pandas as pd
 
-    from pagedweight.results.writer import _write_steps
+    from pagedweight.results.writer import _write_columns
 
     pool = PagePool(64 * 4096, 4096)
     rec = StepRecorder()
@@ -136,12 +136,12 @@ def test_step_table_written_in_slices_is_the_whole_table(tmp_path):
             start_s=i / 3, duration_s=1 / 3, num_running=i, num_waiting=0, num_prefill_tokens=0, num_decodes=i,
             num_preempted=0, kv_blocks_used=i, kv_blocks_free=100, pool=pool, quality_proxy=i / 7,
         )  # fmt: skip
-    _write_steps(tmp_path / "sliced.csv", "p", rec.columns(), rows_per_write=7)
+    _write_columns(tmp_path / "sliced.csv", "p", rec.columns(), rows_per_write=7)
     whole = pd.DataFrame(rec.columns())
     whole.insert(0, "policy", "p")
     whole.to_csv(tmp_path / "whole.csv", index=False)
     assert (tmp_path / "sliced.csv").read_bytes() == (tmp_path / "whole.csv").read_bytes()
-    _write_steps(tmp_path / "empty.csv", "p", StepRecorder().columns())
+    _write_columns(tmp_path / "empty.csv", "p", StepRecorder().columns())
     assert (tmp_path / "empty.csv").read_text().strip() == ",".join(("policy", *StepRecorder.COLUMNS))
 
 

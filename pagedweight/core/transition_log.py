@@ -97,20 +97,15 @@ class TransitionLog:
         return len(self._time_s) - len(self)
 
     def __iter__(self) -> Iterator[TransitionRecord]:
-        names = PRECISION_NAMES
-        start = self._start()
-        for row in zip(
-            self._time_s[start:], self._expert[start:], self._layer[start:], self._from[start:], self._to[start:],
-            self._kind[start:], self._bytes[start:], strict=True,
-        ):  # fmt: skip
-            t, e, layer, f, to, k, b = row
-            yield TransitionRecord(t, e, layer, names[f], names[to], KINDS[k], b)
+        return (self._record(i) for i in range(self._start(), len(self._time_s)))
 
     def __getitem__(self, index: int) -> TransitionRecord:
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"transition {index} of {n}")
-        i = self._start() + (index % n)
+        return self._record(self._start() + index % n)
+
+    def _record(self, i: int) -> TransitionRecord:
         return TransitionRecord(
             self._time_s[i], self._expert[i], self._layer[i], PRECISION_NAMES[self._from[i]],
             PRECISION_NAMES[self._to[i]], KINDS[self._kind[i]], self._bytes[i],

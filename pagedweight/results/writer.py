@@ -192,7 +192,7 @@ def write_policy_tables(
     parts_dir.mkdir(parents=True, exist_ok=True)
     ids = np.asarray(core.setup.initial_ids)
     experts = np.arange(len(ids))
-    _write_steps(parts_dir / "steps.csv", policy, core.steps.columns(), replica)
+    _write_columns(parts_dir / "steps.csv", policy, core.steps.columns(), replica)
     _write_requests(parts_dir / "requests.csv", policy, requests, replica, columns=columns)
     write_transitions(parts_dir / "transitions.csv", policy, core.transitions, replica)
     df = pd.DataFrame(
@@ -212,13 +212,7 @@ def write_transitions(
 ) -> None:
     """The transition table in slices: paper-greedy on a 6,144-expert model logs ~13 million
     changes an hour (upgrades begun, then abandoned), and pandas' writer took ~1 us a cell."""
-    columns = log.columns()
-    num_rows = len(columns["time_s"])
-    with path.open("w", newline="") as f:
-        for start in range(0, max(num_rows, 1), rows_per_write):
-            df = pd.DataFrame({c: a[start : start + rows_per_write] for c, a in columns.items()})
-            label_rows(df, policy, replica)
-            write_csv_rows(f, df, header=start == 0)
+    _write_columns(path, policy, log.columns(), replica, rows_per_write)
 
 
 def label_rows(df: pd.DataFrame, policy: str, replica: int | None = None) -> None:
@@ -271,10 +265,11 @@ def _csv_text(values: np.ndarray) -> list[str]:
     return ["" if v is None or v is pd.NA or (isinstance(v, float) and v != v) else str(v) for v in values]
 
 
-def _write_steps(
+def _write_columns(
     path: Path, policy: str, columns: dict[str, np.ndarray], replica: int | None = None, rows_per_write: int = 100_000
 ) -> None:
-    """The step table in slices: a DataFrame of every step would copy the whole table again."""
+    """A table held as columns (steps, transitions), written in slices: a DataFrame of every
+    row would copy the whole table again."""
     num_rows = len(next(iter(columns.values())))
     with path.open("w", newline="") as f:
         for start in range(0, max(num_rows, 1), rows_per_write):
