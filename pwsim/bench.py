@@ -21,7 +21,8 @@ trace from the shared traces folder beside the checkout) is skipped, and the log
 ``bench.md`` say which file; a missing file of any other cell is an error. A cell's ``policies``
 (a subset of the suite's) limits the cell to those, where the others would cost too much to
 simulate; its margins are then over the best of those. Every run is a sweep cell (``pwsim.sweep.run_cell``) in its own
-directory named by its overrides, written under a temporary name and renamed when complete: a
+directory named by its overrides (its ``summary.json`` and ``requests.csv``; ``--tables`` keeps
+the step tables of ``pwsim run`` too), written under a temporary name and renamed when complete: a
 re-run skips finished runs, so the suite is resumable, and it runs on the same executor as
 ``pwsim sweep`` (local processes or Ray).
 
@@ -210,9 +211,11 @@ def good_fraction(summary_entry: dict) -> float:
 
 
 class _Runner:
-    def __init__(self, out_dir: Path, executor: str, workers: int | None, address: str | None, log, display):
+    def __init__(
+        self, out_dir: Path, executor: str, workers: int | None, address: str | None, log, display, step_tables: bool
+    ):
         self.out_dir, self.executor, self.workers, self.address = out_dir, executor, workers, address
-        self.log, self.display = log, display
+        self.log, self.display, self.step_tables = log, display, step_tables
         self.ran: list[str] = []
         self.skipped: list[str] = []
 
@@ -274,6 +277,7 @@ class _Runner:
             str(self.out_dir / p.dirname),
             {"cell": p.cell, "load": p.load},
             False,
+            self.step_tables,
         )
 
     def offered_rate(self, probe: Probe, policy: str) -> float:
@@ -295,8 +299,12 @@ def run_bench(
     address: str | None = None,
     log=print,
     display: Display | None = None,
+    step_tables: bool = False,
 ) -> dict:
-    """Run the suite's grid, then the bisection rounds; write the tables and the report."""
+    """Run the suite's grid, then the bisection rounds; write the tables and the report.
+    ``step_tables``: keep every run's step, transition and initial-precision tables (the
+    suite's figures need only each run's summary and request table; the step tables of the
+    default suite take ~7 GB and a few percent of its time to write)."""
     if executor not in EXECUTORS:
         raise BenchError(f"--executor {executor!r} unknown; allowed: {', '.join(EXECUTORS)}")
     out_dir = Path(out_dir).resolve()
@@ -305,7 +313,7 @@ def run_bench(
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)  # a run interrupted mid-way
     spec = suite.spec
-    runner = _Runner(out_dir, executor, workers, address, log, display)
+    runner = _Runner(out_dir, executor, workers, address, log, display, step_tables)
     policies = tuple(spec.policies)
     grid = [suite.probe(c.name, load, suite.policies(c)) for c in suite.cells for load in spec.loads]
     for cell, why in suite.absent.items():

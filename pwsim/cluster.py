@@ -95,9 +95,12 @@ def _itl_histogram(requests: list[Request], batch: int = 4096) -> dict:
     return {"counts": counts, "sum": total, "sum_sq": total_sq, "n": n}
 
 
-def _replica_result(eng, policy: str, replica: int, ids: np.ndarray | None, parts_dir: Path, run, wall0) -> dict:
-    """A replica's summary and tables (in ``parts_dir``, with the replica's column); its requests
-    go back as ``RequestColumns``, their token times as the ITL histogram."""
+def _replica_result(
+    eng, policy: str, replica: int, ids: np.ndarray | None, parts_dir: Path, run, wall0, step_tables: bool = True
+) -> dict:
+    """A replica's summary and tables (in ``parts_dir``, with the replica's column; the request
+    table alone without ``step_tables``); its requests go back as ``RequestColumns``, their token
+    times as the ITL histogram."""
     wall_s = time.perf_counter() - wall0
     if ids is not None:  # the cluster's request ids (no figure of the summary depends on them)
         for r in eng.requests:
@@ -107,17 +110,23 @@ def _replica_result(eng, policy: str, replica: int, ids: np.ndarray | None, part
         from pwsim.parallel import ep_summary, write_ep_tables
 
         summary = ep_summary(eng, run.slo, wall_s)
-        write_ep_tables(parts_dir, policy, eng, replica)
+        write_ep_tables(parts_dir, policy, eng, replica, step_tables)
     else:
         summary = policy_summary(eng.requests, eng.core, run.slo, wall_s, eng.bytes_h2d, columns)
-        write_policy_tables(parts_dir, policy, eng.requests, eng.core, replica, columns)
+        write_policy_tables(parts_dir, policy, eng.requests, eng.core, replica, columns, step_tables)
     summary["replica"] = replica
     itl = _itl_histogram(eng.requests)
     return {"summary": summary, "parts_dir": str(parts_dir), "requests": columns, "itl": itl}
 
 
 def simulate_replica(
-    loaded: LoadedScenario, run: ScenarioRun, policy: str, replica: int, parts_dir: str, progress=None
+    loaded: LoadedScenario,
+    run: ScenarioRun,
+    policy: str,
+    replica: int,
+    parts_dir: str,
+    step_tables: bool = True,
+    progress=None,
 ) -> dict:
     """One replica of a statically routed cluster (a job of ``pwsim run``)."""
     wall0 = time.perf_counter()
@@ -130,7 +139,7 @@ def simulate_replica(
         return out
     _run(eng.env, [eng.start()], share, progress)
     verify_memory(eng.cores)
-    out.update(_replica_result(eng, policy, replica, ids, Path(parts_dir), run, wall0))
+    out.update(_replica_result(eng, policy, replica, ids, Path(parts_dir), run, wall0, step_tables))
     return out
 
 
@@ -140,7 +149,9 @@ def _run(env: simpy.Environment, done: list, trace: RequestTrace, progress) -> N
     run_until(env, env.all_of(done), trace, fraction)
 
 
-def simulate_routed_cluster(loaded: LoadedScenario, run: ScenarioRun, policy: str, parts_dir: str, progress=None):
+def simulate_routed_cluster(
+    loaded: LoadedScenario, run: ScenarioRun, policy: str, parts_dir: str, step_tables: bool = True, progress=None
+):
     """Every replica of a cluster whose router looks at their state, on one SimPy clock.
     Returns one result per replica (as ``simulate_replica`` does)."""
     wall0 = time.perf_counter()
@@ -160,7 +171,11 @@ def simulate_routed_cluster(loaded: LoadedScenario, run: ScenarioRun, policy: st
     _run(env, [e.start(arrivals=False) for e in engines], trace, progress)
     verify_memory([core for e in engines for core in e.cores])
     return [
-        {"policy": policy, "replica": i, **_replica_result(e, policy, i, None, Path(parts_dir) / str(i), run, wall0)}
+        {
+            "policy": policy,
+            "replica": i,
+            **_replica_result(e, policy, i, None, Path(parts_dir) / str(i), run, wall0, step_tables),
+        }
         for i, e in enumerate(engines)
     ]
 
@@ -224,7 +239,9 @@ def _itl_stats(out: dict, hists: list[dict]) -> None:
         out[f"{label}_itl_ms"] = (min(k, ITL_NUM_BINS - 1) + 0.5) * ITL_BIN_MS
 
 
-def run_cluster(loaded: LoadedScenario, run: ScenarioRun, names: list[str], writer, display, jobs: int) -> None:
+def run_cluster(
+    loaded: LoadedScenario, run: ScenarioRun, names: list[str], writer, display, jobs: int, step_tables: bool = True
+) -> None:
     """Every policy's cluster into ``writer`` (called by ``pwsim.run.run_scenario``)."""
     from pwsim.executor import Job, run_jobs
 
@@ -238,7 +255,7 @@ def run_cluster(loaded: LoadedScenario, run: ScenarioRun, names: list[str], writ
                 Job(
                     f"{name}/{i}",
                     simulate_replica,
-                    (loaded, run, name, i, str(root / f"c{p}" / str(i))),
+                    (loaded, run, name, i, str(root / f"c{p}" / str(i)), step_tables),
                     cost=relative_run_cost(name),
                 )
                 for i in range(n)
@@ -248,7 +265,7 @@ def run_cluster(loaded: LoadedScenario, run: ScenarioRun, names: list[str], writ
                 Job(
                     name,
                     simulate_routed_cluster,
-                    (loaded, run, name, str(root / f"c{p}")),
+                    (loaded, run, name, str(root / f"c{p}"), step_tables),
                     cost=relative_run_cost(name),
                 )
             )

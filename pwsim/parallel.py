@@ -474,12 +474,17 @@ def ep_summary(eng: EpEngine, slo: Slo, wall_s: float) -> dict:
     return s
 
 
-def write_ep_tables(parts_dir: Path, policy: str, eng: EpEngine, replica: int | None = None) -> None:
+def write_ep_tables(
+    parts_dir: Path, policy: str, eng: EpEngine, replica: int | None = None, step_tables: bool = True
+) -> None:
     """The replica's tables (see the module docstring) as CSV files in ``parts_dir``; with
-    ``replica`` (a cluster's), a ``replica`` column after ``policy``."""
+    ``replica`` (a cluster's), a ``replica`` column after ``policy``; without ``step_tables``,
+    the request table alone."""
     parts_dir.mkdir(parents=True, exist_ok=True)
-    _write_columns(parts_dir / "steps.csv", policy, eng.replica_steps(), replica)
     _write_requests(parts_dir / "requests.csv", policy, eng.requests, replica)
+    if not step_tables:
+        return
+    _write_columns(parts_dir / "steps.csv", policy, eng.replica_steps(), replica)
     num_experts = eng.model.num_experts
     transitions, initial = [], []
     for i, r in enumerate(eng.ranks):

@@ -62,12 +62,17 @@ def run_scenario(
     report: bool = True,
     jobs: int = 1,
     on_progress: Callable[[float], None] | None = None,
+    step_tables: bool = True,
 ) -> dict:
     """Simulate the scenario's policies (or ``policies``) into ``out_dir``; returns the summary.
 
+    ``step_tables``: False writes the summary and the request table only (no steps,
+    transitions or initial precisions: the report needs them, so ``report`` must be False).
     ``jobs``: worker processes (1: in this process). ``progress``: True for the automatic
     display (bars on a terminal, a line per policy otherwise), or a ``Display``.
     ``on_progress(fraction)``: the run's progress over all policies, for a caller's own display."""
+    if report and not step_tables:
+        raise ValueError("a report needs the step tables: run_scenario(report=True, step_tables=False)")
     model = loaded.model
     run = scenario_run(loaded, policies)
     trace, table = run.trace, run.table
@@ -108,7 +113,7 @@ def run_scenario(
             if on_progress is not None:
                 per_policy = cluster.replicas if cluster.router == "round-robin" else 1  # jobs per policy
                 display = _Overall(display, len(names) * per_policy, on_progress)
-            run_cluster(loaded, run, names, writer, display, jobs)
+            run_cluster(loaded, run, names, writer, display, jobs, step_tables)
             meta = writer.write(run.resolved_yaml)
         finally:
             writer.discard_parts()
@@ -122,7 +127,7 @@ def run_scenario(
             Job(
                 name,
                 simulate_policy,
-                (loaded, run, name, str(writer.parts_root / str(i)), shared),
+                (loaded, run, name, str(writer.parts_root / str(i)), shared, step_tables),
                 cost=relative_run_cost(name),
             )
             for i, name in enumerate(names)
@@ -164,9 +169,11 @@ def simulate_policy(
     policy: str,
     parts_dir: str,
     latency=None,
+    step_tables: bool = True,
     progress: Callable[[float], None] | None = None,
 ) -> dict:
-    """One policy of a run (in this process or a worker): its tables go to ``parts_dir``;
+    """One policy of a run (in this process or a worker): its tables go to ``parts_dir``
+    (the request table alone without ``step_tables``);
     returns its summary (or ``error`` if the policy cannot run) and, when it built its own
     latency model, that model's out-of-grid counts."""
     own_latency = latency is None
@@ -189,12 +196,12 @@ def simulate_policy(
         from pwsim.parallel import ep_summary, write_ep_tables
 
         out["summary"] = ep_summary(eng, run.slo, time.perf_counter() - wall0)
-        write_ep_tables(Path(parts_dir), policy, eng)
+        write_ep_tables(Path(parts_dir), policy, eng, step_tables=step_tables)
     else:
         wall_s = time.perf_counter() - wall0
         columns = RequestColumns.of(eng.requests)
         out["summary"] = policy_summary(eng.requests, eng.core, run.slo, wall_s, eng.bytes_h2d, columns)
-        write_policy_tables(Path(parts_dir), policy, eng.requests, eng.core, columns=columns)
+        write_policy_tables(Path(parts_dir), policy, eng.requests, eng.core, columns=columns, step_tables=step_tables)
     out["parts_dir"] = parts_dir
     if own_latency:
         out["out_of_grid"] = dict(getattr(latency, "out_of_grid", None) or {})

@@ -159,18 +159,26 @@ def is_finished(cell_dir: Path) -> bool:
 
 
 def run_cell(
-    scenario_path: str, overrides: list[str], cell_dir: str, params: dict, report: bool, progress=None
+    scenario_path: str,
+    overrides: list[str],
+    cell_dir: str,
+    params: dict,
+    report: bool,
+    step_tables: bool = True,
+    progress=None,
 ) -> dict:
     """One ``pwsim run`` into ``cell_dir``, written under a temporary name and renamed when
     complete. Runs in a worker process or a Ray task: arguments and result are plain data.
-    ``progress(fraction)``: the cell's progress, for the sweep's display."""
+    ``step_tables``: as ``pwsim.run.run_scenario``'s. ``progress(fraction)``: the cell's
+    progress, for the sweep's display."""
     from pwsim import run
 
     t0 = time.perf_counter()
     final = Path(cell_dir)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    run.run_scenario(load_scenario(scenario_path, overrides), tmp, report=report, on_progress=progress)
+    loaded = load_scenario(scenario_path, overrides)
+    run.run_scenario(loaded, tmp, report=report, on_progress=progress, step_tables=step_tables)
     atomic_write_text(tmp / "cell.json", json.dumps({"params": params, "overrides": overrides}, indent=2) + "\n")
     if final.exists():
         shutil.rmtree(final)  # an unfinished cell from an earlier run

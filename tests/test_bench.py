@@ -69,6 +69,8 @@ def test_a_suite_runs_its_grid_and_bisection_and_resumes(suite_dir):
     assert "## Largest sustainable load" in (out / "bench.md").read_text()
     ran = len(result["ran"])
     assert ran >= 2 + 4  # the grid (one run per load) and both ends of the search per policy
+    for name in result["ran"]:  # the figures' sources, without the step tables (--tables keeps them)
+        assert {p.name for p in (out / name).glob("*.csv")} == {"requests.csv"}, name
     again = run_bench(suite, out, workers=1, log=logs.append)
     assert again["ran"] == [] and len(again["skipped"]) == ran
     pd.testing.assert_frame_equal(pd.read_csv(out / "sustainable.csv"), sust)

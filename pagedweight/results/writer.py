@@ -171,6 +171,10 @@ def prefix_summary(core: RuntimeCore, steps: dict[str, np.ndarray]) -> dict:
 
 
 TABLES = ("requests", "steps", "transitions", "initial_precisions")
+# The tables a run without step tables leaves out (``pwsim bench`` by default): a row per step,
+# per rank and step, or per precision change; an hour of paper-greedy on a 6,144-expert model
+# logs ~13 million changes.
+STEP_TABLES = ("steps", "transitions", "initial_precisions", "steps_by_rank", "ep_steps")
 # Tables only some runs have (an expert-parallel replica's, ``pwsim.parallel``): joined when present.
 OPTIONAL_TABLES = ("steps_by_rank", "ep_steps")
 
@@ -182,18 +186,22 @@ def write_policy_tables(
     core: RuntimeCore,
     replica: int | None = None,
     columns: RequestColumns | None = None,
+    step_tables: bool = True,
 ) -> None:
     """One policy's rows of the four tables, as CSV files (with header) in ``parts_dir``; with
-    ``replica`` (a cluster's), a ``replica`` column after ``policy``.
+    ``replica`` (a cluster's), a ``replica`` column after ``policy``; without ``step_tables``,
+    the request table alone (``STEP_TABLES`` are the large ones: a row per step or change).
 
     A run writes each policy's tables as soon as the policy is done and the writer joins them
     at the end, so no process holds more than one policy's rows (an hour of long context is
     ~250,000 steps per policy), and policies run in other processes hand over files."""
     parts_dir.mkdir(parents=True, exist_ok=True)
+    _write_requests(parts_dir / "requests.csv", policy, requests, replica, columns=columns)
+    if not step_tables:
+        return
     ids = np.asarray(core.setup.initial_ids)
     experts = np.arange(len(ids))
     _write_columns(parts_dir / "steps.csv", policy, core.steps.columns(), replica)
-    _write_requests(parts_dir / "requests.csv", policy, requests, replica, columns=columns)
     write_transitions(parts_dir / "transitions.csv", policy, core.transitions, replica)
     df = pd.DataFrame(
         {"expert": experts, "layer": experts // core.model.num_experts, "precision": np.asarray(PRECISION_NAMES)[ids]}
@@ -352,12 +360,14 @@ class ResultsWriter:
     def write(self, scenario_yaml: str | None = None) -> dict:
         out = self.out_dir
         if self._parts:
-            for name in TABLES:
-                join_csv_parts([p / f"{name}.csv" for p in self._parts], out / f"{name}.csv")
-            for name in OPTIONAL_TABLES:
-                parts = [p / f"{name}.csv" for p in self._parts if (p / f"{name}.csv").is_file()]
-                if parts:
-                    join_csv_parts(parts, out / f"{name}.csv")
+            # Every policy has the request table; the others where the run wrote step tables
+            # and, for the optional ones, where the policy had them.
+            for name in TABLES + OPTIONAL_TABLES:
+                files = [p / f"{name}.csv" for p in self._parts]
+                if name != "requests":
+                    files = [f for f in files if f.is_file()]
+                if files:
+                    join_csv_parts(files, out / f"{name}.csv")
         atomic_write_text(out / "summary.json", json.dumps(self.meta, indent=2, default=_json_default) + "\n")
         if scenario_yaml is not None:
             atomic_write_text(out / "scenario.resolved.yaml", scenario_yaml)
