@@ -68,6 +68,7 @@ from pagedweight.results.writer import (
 )
 from pagedweight.workload.traces import RequestTrace
 from pwsim.engine import SimEngine, replay_arrivals, run_until, verify_memory
+from pwsim.roofline import AnalyticLatencyModel
 from pwsim.router import RequestRouter
 from pwsim.routing import RoutingSampler
 from pwsim.table_latency import A2aGrid
@@ -192,15 +193,20 @@ class RankEngine(SimEngine):
         step.routing = _UNREPORTED  # reported by the replica once every rank has scheduled
         return Executed(None, swapped_bytes, wait=_WAIT)
 
-    def compute_s(self, local_tokens: np.ndarray) -> float:
+    def compute_s(self, local_tokens: np.ndarray, moe_s: float | None = None) -> float:
         """This rank's share of the step: its batch (attention, pinned layers) and its experts'
-        tokens from every rank; a rank without a batch runs only its experts."""
+        tokens from every rank; a rank without a batch runs only its experts. ``moe_s``: its
+        experts' time, when the replica computed every rank's at once (an analytic model)."""
         lat, prec = self.latency, self.core.precision_grid
         step = self.step_now
         if step is not None:
+            if moe_s is not None:
+                return float(lat.step_time_s(step.shape, local_tokens, prec, moe_s)) + self.extra_s
             return float(lat.step_time_s(step.shape, local_tokens, prec)) + self.extra_s
-        moe_s = getattr(lat, "moe_s", None)
-        return float(moe_s(local_tokens, prec)) if moe_s is not None and local_tokens.any() else 0.0
+        if moe_s is not None:
+            return moe_s if local_tokens.any() else 0.0
+        moe_fn = getattr(lat, "moe_s", None)
+        return float(moe_fn(local_tokens, prec)) if moe_fn is not None and local_tokens.any() else 0.0
 
 
 EP_STEP_COLUMNS = ("step", "start_s", "duration_s", "a2a_s", "slowest_rank", "imbalance")
@@ -244,7 +250,11 @@ class EpEngine:
             for r in range(ep)
         ]
         self.router = RequestRouter(parallel.request_router, [[r.core] for r in self.ranks])
-        self._layer_rows = np.arange(model.num_moe_layers)[:, None]
+        # Each rank's experts as indices into a step's (layers, experts) counts, flattened: one
+        # take() gathers every rank's share.
+        layer_rows = np.arange(model.num_moe_layers)[:, None]
+        self._placement_flat = layer_rows * model.num_experts + np.asarray(self.placement)
+        self._analytic = all(type(r.latency) is AnalyticLatencyModel for r in self.ranks)
         self.requests: list[Request] = []
         self.request_rank: list[int] = []
         self._engine_wake: simpy.Event | None = None
@@ -325,15 +335,19 @@ class EpEngine:
         ranks = self.ranks
         rank_tokens = np.array([r.step_now.shape.num_tokens if r.step_now else 0 for r in ranks], dtype=np.int64)
         counts = self.routing.sample(int(rank_tokens.sum()))
+        local = counts.take(self._placement_flat)  # (ranks, layers, local experts)
+        expert_tokens = local.sum(axis=2).T  # (layers, ranks)
+        moe_s = None
+        if self._analytic:  # every rank's experts in one pass (the same floats as rank by rank)
+            moe_s = ranks[0].latency.moe_s_ranks(
+                [r.latency for r in ranks], local, [r.core.precision_grid for r in ranks]
+            )
         compute_s = np.zeros(self.ep)
-        expert_tokens = np.zeros((self.model.num_moe_layers, self.ep), dtype=np.int64)
         for i, r in enumerate(ranks):
-            local = counts[self._layer_rows, self.placement[i]]
-            expert_tokens[:, i] = local.sum(axis=1)
             if r.step_now is not None:
-                r.step_now.routing = local
-            r.core.observe_routing(local)
-            compute_s[i] = r.compute_s(local)
+                r.step_now.routing = local[i]
+            r.core.observe_routing(local[i])
+            compute_s[i] = r.compute_s(local[i], None if moe_s is None else moe_s[i])
         if self.a2a_grid is None:
             a2a_s = a2a_time_s(
                 rank_tokens, expert_tokens, self.model.top_k, self.model.hidden_size,

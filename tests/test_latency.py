@@ -159,6 +159,28 @@ def test_moe_time_follows_precision_changes_in_place():
     assert lat.moe_s(tpe, ids) < before[0] and lat.moe_s(sparse, ids) < before[1]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_every_ranks_moe_time_at_once_is_each_ranks_to_the_bit(seed):
+    """``moe_s_ranks`` (an expert-parallel replica's step) gives each rank exactly its own
+    ``moe_s``: ranks with every expert active, some, or none; mixed precisions per rank; its
+    stacked grids follow precision changes in place."""
+    rng = np.random.default_rng(seed)
+    share = MIXTRAL.model_copy(update={"num_experts": 4})  # a rank's share of 8 experts on 2 GPUs
+    ranks = 3
+    models = [build_latency_model(AnalyticLatencyConfig(), share, H200) for _ in range(ranks)]
+    refs = [build_latency_model(AnalyticLatencyConfig(), share, H200) for _ in range(ranks)]
+    ids = [rng.choice([BF16, FP8, INT4], size=(share.num_moe_layers, 4)).astype(np.int8) for _ in range(ranks)]
+    for step in range(6):
+        tokens = rng.integers(0, 5, size=(ranks, share.num_moe_layers, 4)) * (rng.random((ranks, 1, 1)) < 0.8)
+        tokens[0] += 1  # every expert of rank 0 active
+        got = models[0].moe_s_ranks(models, tokens, ids)
+        want = [float(refs[r].moe_s(tokens[r], ids[r])) for r in range(ranks)]
+        assert got == want  # exact: the same floats
+        if step == 2:
+            ids[1][5, :2] = INT4 if ids[1][5, 0] != INT4 else BF16  # a flip in place
+    assert models[0].moe_s_ranks(models, np.zeros_like(tokens), ids) == [0.0] * ranks
+
+
 def test_quantize_and_h2d():
     lm = build_latency_model(None, MIXTRAL, H200)
     n, k = MIXTRAL.expert_ffn_size, MIXTRAL.hidden_size
