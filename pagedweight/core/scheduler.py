@@ -388,12 +388,14 @@ class Scheduler:
         if batch.preempted:
             return batch
         forecast = self.config.admission == "forecast"
-        promised = 0
-        if forecast and self.waiting:
-            promised = self._promised_blocks() if memo is None else memo
+        promised = memo  # None until counted: a queue that cannot fit at all never needs it
         while self.waiting and budget > 0 and len(self.running) < max_seqs:
             req = self.waiting[0]
             if forecast:
+                if promised is None:
+                    if self.running and self.pressure_hook is None and self._promise(req) > self.kv.num_free_blocks:
+                        break  # does not fit beside no promise at all, and nothing can free memory
+                    promised = self._promised_blocks()
                 need = self._admits(req, promised)
                 if need is None:
                     break
