@@ -48,6 +48,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
+from itertools import repeat
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -96,6 +97,13 @@ class Change(NamedTuple):
     kind: ChangeKind
     expert: int  # flat index: moe_layer * num_experts + expert
     to_id: int  # PRECISION_ID code (for ABORT: the precision it keeps)
+
+
+def changes_of(kind: ChangeKind, experts: list[int], to_ids: list[int]) -> list[Change]:
+    """``Change(kind, e, t)`` for each pair, built without a Python call per change (the
+    named tuple's constructor is a Python function: ~0.4 us each, and paper-greedy's plans on a
+    6,144-expert model make millions an hour)."""
+    return list(map(tuple.__new__, repeat(Change), zip(repeat(kind), experts, to_ids)))
 
 
 @dataclass(frozen=True)
@@ -755,7 +763,8 @@ class Controller:
         """Abort upgrades in flight, then downgrade to the plan for ``budget_pages`` of weights
         (or ``fallback_pages``, or the lowest precisions, whichever first fits)."""
         pt = self.page_table
-        changes = [Change(ABORT, e, int(pt.precision_ids[e])) for e in pt.in_flight]
+        in_flight = list(pt.in_flight)
+        changes = changes_of(ABORT, in_flight, pt.precision_ids[in_flight].tolist()) if in_flight else []
         plan = self._plan_without_in_flight(budget_pages)
         if plan is None and fallback_pages is not None:
             plan = self._plan_without_in_flight(fallback_pages)
@@ -767,7 +776,7 @@ class Controller:
         """The experts whose pages shrink under ``plan``, each moved to its planned precision."""
         pt = self.page_table
         rows = np.flatnonzero(pt.pages_by_id[plan.precision_ids] < pt.pages_by_id[pt.precision_ids])
-        return [Change(DOWNGRADE, int(e), int(plan.precision_ids[e])) for e in rows]
+        return changes_of(DOWNGRADE, rows.tolist(), plan.precision_ids[rows].tolist())
 
     def _plan_without_in_flight(self, budget_pages: int) -> Plan | None:
         budget_bytes = budget_pages * self.pool.page_bytes
@@ -798,26 +807,25 @@ class Controller:
         # them (PagePool.reclaim).
         free = self.pool.num_available - self.kv.reserve_pages - self.kv.num_protected_pages + extra_free_pages
         in_flight = pt.in_flight
-        in_flight_bytes = sum(t.num_bytes for t in in_flight.values())
-        changes = []
+        if in_flight:  # already on their way
+            grow = grow[~np.isin(grow, np.fromiter(in_flight, dtype=np.int64, count=len(in_flight)))]
+        # In order, as far as the free pages (and, budgeted, the copy credit and the bytes in
+        # flight) reach: the prefix whose running sums stay within them. The sums are integers,
+        # so they are the loop's own (the credit, a float, loses nothing by whole bytes: it only
+        # shrinks, and its fraction keeps its place).
         to_ids = target[grow]
-        pages_of, bytes_of = pt.pages_by_id[to_ids].tolist(), pt.bytes_by_id[to_ids].tolist()
-        for e, to_id, pages, nbytes in zip(grow.tolist(), to_ids.tolist(), pages_of, bytes_of, strict=True):
-            if e in in_flight:
-                continue
-            if pages > free:
-                break
-            if budgeted and (
-                nbytes > self._copy_credit_bytes or in_flight_bytes + nbytes > self.settings.max_in_flight_bytes
-            ):
+        num = np.searchsorted(np.cumsum(pt.pages_by_id[to_ids]), free, side="right")
+        if budgeted:
+            in_flight_bytes = sum(t.num_bytes for t in in_flight.values())
+            cum_bytes = np.cumsum(pt.bytes_by_id[to_ids])
+            limit = min(self._copy_credit_bytes, self.settings.max_in_flight_bytes - in_flight_bytes)
+            num_budget = np.searchsorted(cum_bytes, limit, side="right")
+            if num_budget < num:  # the copy budget stops it before the pages do
                 self._upgrades_pending = True
-                break
-            changes.append(Change(UPGRADE, e, to_id))
-            free -= pages
-            in_flight_bytes += nbytes
-            if budgeted:
-                self._copy_credit_bytes -= nbytes
-        return changes
+                num = num_budget
+            if num:
+                self._copy_credit_bytes -= int(cum_bytes[num - 1])
+        return changes_of(UPGRADE, grow[:num].tolist(), to_ids[:num].tolist())
 
     def _mark(self, changes: list[Change], now_s: float) -> None:
         if changes:
