@@ -152,3 +152,37 @@ def test_deepseek_v3_fp8_scenario_walks_an_fp8_ladder(tmp_path):
         c for c in steps if c.startswith("weight_pages_") and c not in ("weight_pages_fp8-b128", "weight_pages_int4")
     ]
     assert (steps[others] == 0).all().all()
+
+
+def test_a_run_lets_young_objects_pile_up_and_restores_the_collector():
+    """``run_until`` raises the collector's young-generation threshold for the run (never
+    lowers one set higher) and puts the caller's thresholds back, also when the run fails."""
+    import gc
+
+    from pwsim.engine import GC_YOUNG_THRESHOLD, run_until
+
+    seen = []
+    before = gc.get_threshold()
+    try:
+        for young in (700, 10 * GC_YOUNG_THRESHOLD):
+            gc.set_threshold(young, 10, 10)
+            env = simpy.Environment()
+
+            def proc(env):
+                seen.append(gc.get_threshold())
+                yield env.timeout(1.0)
+
+            run_until(env, env.process(proc(env)), None)  # no progress: the trace is not read
+            assert gc.get_threshold() == (young, 10, 10)
+        assert seen == [(GC_YOUNG_THRESHOLD, 10, 10), (10 * GC_YOUNG_THRESHOLD, 10, 10)]
+        env = simpy.Environment()
+
+        def fails(env):
+            yield env.timeout(1.0)
+            raise RuntimeError("boom")
+
+        with pytest.raises(RuntimeError, match="boom"):
+            run_until(env, env.process(fails(env)), None)
+        assert gc.get_threshold() == (10 * GC_YOUNG_THRESHOLD, 10, 10)
+    finally:
+        gc.set_threshold(*before)
