@@ -74,6 +74,33 @@ def _started_at(x, progress):
     return (x, os.getpid(), start_s)
 
 
+class _Cycle:
+    """An object in a reference cycle (only the cyclic collector frees it)."""
+
+    def __init__(self):
+        self.me = self
+
+
+_LEFT_BEHIND: list = []  # weak references to the cycles jobs left, in the worker process
+
+
+def _leave_a_cycle(x, progress):
+    import gc
+    import weakref
+
+    alive = sum(r() is not None for r in _LEFT_BEHIND)  # before this job collects anything
+    cycle = _Cycle()
+    _LEFT_BEHIND.append(weakref.ref(cycle))
+    gc.collect()  # aged into the oldest generation while alive, as a finished simulation is
+    return alive
+
+
+def test_a_worker_collects_what_a_finished_job_left_before_the_next():
+    # One worker, jobs one after another: each finds the cycles of the jobs before it freed
+    # (a worker grew by a cluster replica's memory with every job before).
+    assert run_jobs([Job(f"j{i}", _leave_a_cycle, (i,)) for i in range(3)], 2) == [0, 0, 0]
+
+
 def test_workers_take_the_costliest_jobs_first_and_results_keep_job_order():
     costs = [1.0, 1.0, 3.0, 2.0, 1.0]
     jobs = [Job(f"j{i}", _started_at, (i,), cost=c) for i, c in enumerate(costs)]
