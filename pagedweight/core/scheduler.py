@@ -170,9 +170,6 @@ class Batch:
     prefill_tokens: list[int] = field(default_factory=list)
     prefill_kv_lens: list[int] = field(default_factory=list)
     decode_kv_lens: list[int] = field(default_factory=list)
-    # How many of the first requests decode (one token each, their last): finish_step takes
-    # them in a loop with nothing else to check. 0 is always right (a batch built elsewhere).
-    num_leading_decodes: int = 0
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -351,7 +348,6 @@ class Scheduler:
         # with room left in their last block, so that case comes first and calls nothing but
         # the three appends (bound once).
         # Victims of a preemption are popped from the end, which the iteration has not reached.
-        leading = -1  # entries before the first prefill chunk: all decodes (num_leading_decodes)
         for req in running:
             computed = req.num_computed_tokens
             remaining = req.prompt_tokens + req.num_output_tokens - computed
@@ -383,13 +379,10 @@ class Scheduler:
                 out_tokens.append(1)
                 dec_kv.append(computed + 1)
             else:
-                if leading < 0:
-                    leading = len(out_reqs)
                 batch.add(req, num_new, remaining)
             budget -= num_new
             if budget <= 0:
                 break
-        batch.num_leading_decodes = len(out_reqs) if leading < 0 else leading
         # Victims are taken from the end of ``running``, beyond the loop, so none of them is in
         # the batch already. As in vLLM, a step that had to preempt admits nobody new.
         if batch.preempted:
@@ -480,21 +473,7 @@ class Scheduler:
         """Record the step's results at ``end_s``; returns the requests that finished."""
         self._promised_memo = None
         finished: list[Request] = []
-        requests, num_decodes = batch.requests, batch.num_leading_decodes
-        for req in islice(requests, num_decodes):  # each computes its last token: one more output
-            req.num_computed_tokens += 1
-            outputs = req.num_output_tokens + 1
-            req.num_output_tokens = outputs
-            req.token_times_s.append(end_s)
-            if outputs == 1:
-                req.first_token_s = end_s
-            if outputs >= req.max_output_tokens or req.stop_early:
-                req.state = FINISHED
-                req.finish_s = end_s
-                finished.append(req)
-        for req, num_new in zip(
-            islice(requests, num_decodes, None), islice(batch.num_new_tokens, num_decodes, None), strict=True
-        ):
+        for req, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
             computed = req.num_computed_tokens + num_new
             req.num_computed_tokens = computed
             outputs = req.num_output_tokens
