@@ -47,16 +47,16 @@ import numpy as np
 
 from pagedweight.core.spec import ModelSpec
 from pagedweight.errors import ConfigError
+from pwsim import routing_kernels
 
 # Exact systematic sampling up to this many points (T * L * k) per call: 6 us for Mixtral at
 # T = 1 (64 points), 17 us at T = 8 (512), 13 us for Qwen3-30B-A3B at T = 1 (384) on one core.
 SYSTEMATIC_LIMIT_POINTS = 512
 SYSTEMATIC_MAX_MEAN_COUNT = 0.25
 NOISE_POOL_VALUES = 1 << 20
-# Memory for the per-batch-size arrays T * pi and (1 - pi)**T (2 KiB each for Mixtral, 116 KiB
-# at DeepSeek-V3 scale): enough for every batch size of a Mixtral run.
+# Memory for the per-batch-size arrays (1 - pi)**T (2 KiB each for Mixtral, 116 KiB at
+# DeepSeek-V3 scale): every batch size of a Mixtral run, ~280 of a DeepSeek-V3 one.
 TOKEN_CACHE_BYTES = 32 << 20
-_clip = np._core.umath.clip if hasattr(np, "_core") else np.core.umath.clip
 MIN_NOISE_PATTERNS = 64
 UNIFORM_BLOCK = 4096
 
@@ -146,7 +146,10 @@ class RoutingSampler:
         alpha: float,
         rng: np.random.Generator,
         systematic_limit_points: int = SYSTEMATIC_LIMIT_POINTS,
+        compiled: bool = routing_kernels.COMPILED,
     ):
+        """``compiled``: the normal regime's passes compiled (numba) or as numpy passes; the
+        counts are the same either way."""
         num_layers, num_experts = model.num_moe_layers, model.num_experts
         if kind == "importance":
             if frequencies is None:
@@ -166,6 +169,10 @@ class RoutingSampler:
         self.top_k = k = model.top_k
         self.rng = rng  # the sampler's own: it draws ahead from it (UniformStream)
         self.systematic_limit_points = systematic_limit_points
+        if compiled:
+            self._values, self._counts = routing_kernels.values, routing_kernels.counts
+        else:
+            self._values, self._counts = routing_kernels.values_numpy, routing_kernels.counts_numpy
         self._systematic_max_picks = SYSTEMATIC_MAX_MEAN_COUNT * num_experts
         self.probs = waterfill_top_k(freqs, k)  # (L, E), rows sum to 1
         # (L, E), rows sum to k; clipped because rounding in the water-fill can leave 1 + 1e-16.
@@ -205,10 +212,10 @@ class RoutingSampler:
         self._uniforms = self.rng.random(max(NOISE_POOL_VALUES, 2 * size))
         # Every later draw in order from one stream (per-step scalars are the costly kind).
         self._stream = UniformStream(self.rng)
-        self._padded_cum = np.zeros(size + 1, dtype=np.int64)  # [0, running sum...] (``_normal``)
+        self._x, self._weight = np.empty(size), np.empty(size)  # ``_normal``'s work arrays
         self._ones_experts = np.ones(self._num_experts)
-        self._by_tokens: dict[int, list] = {}
-        self._max_cached_token_counts = TOKEN_CACHE_BYTES // (2 * 8 * size)
+        self._by_tokens: dict[int, np.ndarray] = {}
+        self._max_cached_token_counts = TOKEN_CACHE_BYTES // (8 * size)
 
     def _systematic(self, num_tokens: int) -> np.ndarray:
         u = self._stream.array((self._num_layers, num_tokens, 1))
@@ -217,63 +224,56 @@ class RoutingSampler:
         size = self._num_layers * self._num_experts
         return np.bincount(np.minimum(flat, size - 1), minlength=size).reshape(self._num_layers, self._num_experts)
 
-    def _per_token_count(self, num_tokens: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """``T * pi`` and, once asked for, ``(1 - pi)**T`` (flat), cached per T: most steps of a
-        run repeat a few hundred batch sizes, and each array costs a numpy call (~1 us) to make."""
-        hit = self._by_tokens.get(num_tokens)
-        if hit is None:
-            hit = [num_tokens * self._inclusion_flat, None]
-            if len(self._by_tokens) < self._max_cached_token_counts:
-                self._by_tokens[num_tokens] = hit
-        return hit
-
     def _normal(self, num_tokens: int) -> np.ndarray:
-        """Counts (L, E) summing to T * k per layer, none above T (see the module docstring)."""
+        """Counts (L, E) summing to T * k per layer, none above T (see the module docstring).
+        The per-element passes are ``pwsim.routing_kernels``' (compiled where numba is)."""
         rand = self._stream.scalar
         num_patterns = len(self._patterns)
         i, j = int(rand() * num_patterns), int(rand() * num_patterns)
         scale = math.sqrt(num_tokens / 2)
-        x = self._patterns[i] + self._patterns[j]
-        x *= scale
-        cached = self._per_token_count(num_tokens)
-        x += cached[0]
         total = num_tokens * self.top_k
         may_exceed = scale * (self._over_ratio[i] + self._over_ratio[j]) > num_tokens
         may_be_negative = scale * (self._neg_ratio[i] + self._neg_ratio[j]) > num_tokens
-        if may_be_negative or may_exceed:
-            # Bound every value to [0, T] and restore each layer's total by moving mass in
-            # proportion to x (T - x): nothing moves for unused experts or those at T (pi = 1),
-            # and no value can leave [0, T] while |shortfall| * T <= sum(x (T - x)).
-            # Re-drawing the excess as picks instead cost 25 us per round and ran on 85% of
-            # Mixtral steps at T = 8 with importance-like frequencies.
-            _clip(x, 1.0 if may_be_negative else 0.0, num_tokens, out=x)  # max, then min: one call
-            if may_be_negative:
-                # Some expected count is low enough for the normal to misjudge whether the
-                # expert is used at all (rounding it up overstated Qwen3-30B-A3B's active experts
-                # by up to 19% at T = 2..16). Draw that exactly: unused with probability
-                # (1 - pi)**T, else at least one token.
-                start = int(rand() * (len(self._uniforms) - len(x)))
-                unused_prob = cached[1]
-                if unused_prob is None:
-                    unused_prob = cached[1] = np.exp(num_tokens * self._log1m_inclusion)
-                x *= self._uniforms[start : start + len(x)] >= unused_prob
+        bounded = may_be_negative or may_exceed
+        x, weight = self._x, self._weight
+        start, unused_prob, ratio = 0, None, None
+        if may_be_negative:
+            # Some expected count is low enough for the normal to misjudge whether the expert is
+            # used at all (rounding it up overstated Qwen3-30B-A3B's active experts by up to 19%
+            # at T = 2..16). Draw that exactly: unused with probability (1 - pi)**T, else at
+            # least one token (values are clipped to >= 1 first).
+            start = int(rand() * (len(self._uniforms) - len(x)))
+            unused_prob = self._unused_prob(num_tokens)
+        self._values(
+            self._patterns[i], self._patterns[j], scale, self._inclusion_flat, num_tokens,
+            1.0 if may_be_negative else 0.0, bounded, self._uniforms, start, unused_prob, x, weight,
+        )  # fmt: skip
+        if bounded:
+            # Values bounded to [0, T]; each layer's total restored by moving mass in proportion
+            # to x (T - x): nothing moves for unused experts or those at T (pi = 1), and no value
+            # can leave [0, T] while |shortfall| * T <= sum(x (T - x)). Re-drawing the excess as
+            # picks instead cost 25 us per round and ran on 85% of Mixtral steps at T = 8 with
+            # importance-like frequencies.
             rows = x.reshape(self._num_layers, self._num_experts)
-            weight = (x * (num_tokens - x)).reshape(rows.shape)
-            ratio = (total - rows @ self._ones_experts) / (weight @ self._ones_experts)
+            ratio = (total - rows @ self._ones_experts) / (weight.reshape(rows.shape) @ self._ones_experts)
             ratios = ratio.tolist()  # a list of L floats: min/max in Python beat two numpy reductions
             if not num_tokens * max(max(ratios), -min(ratios)) <= 1.0:  # also NaN: no movable mass
                 return self._systematic(num_tokens)
-            weight *= ratio[:, None]
-            rows += weight
         # Rounding the running sum keeps every count in [0, T] (each x is) and each layer's
         # total exact (every layer's total is an integer, so layer boundaries round exactly).
-        cum = np.add.accumulate(x)
-        np.rint(cum, out=cum)
-        # Differences of the running sum behind a leading 0 (exact: integers): two calls where an
-        # in-place difference makes numpy buffer its overlapping operands (~1 us more).
-        padded = self._padded_cum
-        padded[1:] = cum
-        return (padded[1:] - padded[:-1]).reshape(self._num_layers, self._num_experts)
+        out = np.empty(len(x), dtype=np.int64)
+        self._counts(x, weight, ratio, self._num_experts, out)
+        return out.reshape(self._num_layers, self._num_experts)
+
+    def _unused_prob(self, num_tokens: int) -> np.ndarray:
+        """``(1 - pi)**T`` (flat), cached per T: most steps of a run repeat a few hundred batch
+        sizes, and each array costs a pass of ``np.exp``."""
+        hit = self._by_tokens.get(num_tokens)
+        if hit is None:
+            hit = np.exp(num_tokens * self._log1m_inclusion)
+            if len(self._by_tokens) < self._max_cached_token_counts:
+                self._by_tokens[num_tokens] = hit
+        return hit
 
     def sample(self, num_tokens: int) -> np.ndarray:
         """Tokens per expert per layer, (L, E) int64; each row sums to num_tokens * top_k."""

@@ -141,3 +141,91 @@ def test_uniform_stream_hands_out_the_rngs_own_sequence():
     for n in (1, 5, 1, 30, 1, 1, 16, 3):
         got.extend([stream.scalar()] if n == 1 else stream.array((n, 1)).ravel().tolist())
     assert got == np.random.default_rng(3).random(len(got)).tolist()
+
+
+# sha256 (first 16 hex digits) of six rounds of draws at these batch sizes, from a seeded sampler
+# per (model, kind): the counts as the numpy passes gave them before the compiled loops existed.
+# Any change of a draw (a pass reordered, a fused multiply-add) changes a digest.
+_DIGEST_TOKENS = (1, 2, 3, 5, 8, 13, 16, 40, 64, 100, 257, 700, 2048, 8000)
+_DIGESTS = {
+    ("mixtral-8x7b", "importance"): "7b4849ab824414f5",
+    ("mixtral-8x7b", "zipf"): "35ed520c66cd9af4",
+    ("qwen3-30b-a3b", "importance"): "7661ba655ff6c599",
+    ("qwen3-30b-a3b", "uniform"): "53b80e96a858fb2b",
+    ("deepseek-v3", "importance"): "3eccd800f741a3bb",
+    ("deepseek-v3", "zipf"): "d362a8e99120b3b9",
+    ("mixtral-8x7b", "skewed"): "7f59efcff8c48222",
+}
+
+
+def _digest_sampler(name: str, kind: str, compiled: bool) -> RoutingSampler:
+    """``importance``: heavy-tailed frequencies, as measured ones are; ``skewed``: one expert of
+    each layer picked by 98% of tokens (counts that may pass T without any going negative)."""
+    model = load_model(name)
+    freqs = None
+    if kind == "importance":
+        freqs = np.random.default_rng(7).pareto(1.5, (model.num_moe_layers, model.num_experts)) + 1e-3
+    elif kind == "skewed":
+        freqs = np.full((model.num_moe_layers, model.num_experts), 0.073)
+        freqs[:, 0] = 0.49
+    routing_kind = "importance" if freqs is not None else kind
+    return RoutingSampler(model, freqs, routing_kind, 1.2, np.random.default_rng(11), compiled=compiled)
+
+
+def _digest(name: str, kind: str, compiled: bool) -> str:
+    import hashlib
+
+    sampler = _digest_sampler(name, kind, compiled)
+    h = hashlib.sha256()
+    for _ in range(6):
+        for t in _DIGEST_TOKENS:
+            h.update(sampler.sample(t).astype(np.int64).tobytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize(("name", "kind"), list(_DIGESTS))
+def test_compiled_and_numpy_passes_draw_the_counts_they_always_drew(name, kind):
+    """The compiled loops (numba) and the numpy passes give the same counts, bit for bit, and
+    those of the sampler before the loops were compiled: each run's results stay the same."""
+    from pwsim import routing_kernels
+
+    if not routing_kernels.COMPILED:
+        pytest.skip("numba is not installed: only the numpy passes run")
+    assert _digest(name, kind, compiled=True) == _DIGESTS[(name, kind)]
+    assert _digest(name, kind, compiled=False) == _DIGESTS[(name, kind)]
+
+
+def test_both_passes_cover_every_branch_of_the_normal_regime():
+    """The draws of the digest test reach the fast path, the bounded one with and without the
+    exact zero draw, and the fallback to systematic sampling, so the comparison covers them."""
+    from pwsim import routing
+
+    seen: set[str] = set()
+    orig_normal, orig_systematic = RoutingSampler._normal, RoutingSampler._systematic
+
+    class Spy(RoutingSampler):
+        def _normal(self, num_tokens):
+            self._in_normal = True
+            out = orig_normal(self, num_tokens)
+            self._in_normal = False
+            return out
+
+        def _systematic(self, num_tokens):
+            if getattr(self, "_in_normal", False):
+                seen.add("fallback")
+            return orig_systematic(self, num_tokens)
+
+    def values(p_i, p_j, scale, inclusion, num_tokens, lo, bounded, uniforms, start, unused_prob, x, weight):
+        seen.add("masked" if unused_prob is not None else "bounded" if bounded else "fast")
+        routing.routing_kernels.values_numpy(
+            p_i, p_j, scale, inclusion, num_tokens, lo, bounded, uniforms, start, unused_prob, x, weight
+        )
+
+    for name, kind in _DIGESTS:
+        sampler = _digest_sampler(name, kind, compiled=False)
+        sampler.__class__ = Spy
+        sampler._values = values
+        for _ in range(6):
+            for t in _DIGEST_TOKENS:
+                sampler.sample(t)
+    assert seen == {"fast", "bounded", "masked", "fallback"}, seen

@@ -1,0 +1,102 @@
+"""The per-element passes of the routing sampler's normal regime (``pwsim.routing``), compiled.
+
+A normal-regime draw is ~15 whole-array numpy passes over the L x E counts: ~40 us a step on
+Mixtral-8x7B (256 values) in a running simulation, where each call pays its dispatch, and ~200 us
+on DeepSeek-V3 (14,848 values), where the running sum alone (``np.add.accumulate``, a dependent
+add through memory per element) is ~50 us. Here they are two loops compiled with numba: one
+builds the values (and the weights that restore each layer's total), one adds the correction,
+sums, rounds and differences. The matrix-vector sums between them stay numpy's, and the
+``(1 - pi)**T`` table stays ``np.exp``'s, so that every value is the one the numpy passes give.
+
+Each loop performs the numpy passes' operations element by element in the same order (no
+fast-math: no fused multiply-add, no reassociation), so the counts are identical bit for bit;
+``tests/test_routing.py`` checks that against the numpy passes below, which are also what runs
+where numba is not installed (``COMPILED`` is False).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import numba
+except ImportError:  # pragma: no cover - numba is a dependency; a platform without its wheels
+    numba = None
+
+COMPILED = numba is not None
+
+
+def values_numpy(p_i, p_j, scale, inclusion, num_tokens, lo, bounded, uniforms, start, unused_prob, x, weight):
+    """``x = (p_i + p_j) * scale + T * pi``; when ``bounded``: clipped to [lo, T], zeroed where
+    ``uniforms[start:] < unused_prob`` (if given), and ``weight = x * (T - x)``."""
+    np.add(p_i, p_j, out=x)
+    x *= scale
+    x += num_tokens * inclusion
+    if bounded:
+        np.clip(x, lo, num_tokens, out=x)
+        if unused_prob is not None:
+            x *= uniforms[start : start + len(x)] >= unused_prob
+        np.multiply(x, num_tokens - x, out=weight)
+
+
+def counts_numpy(x, weight, ratio, num_experts, out):
+    """``out``: differences of the rounded running sum of ``x + weight * ratio[layer]`` (of
+    ``x`` when ``ratio`` is None)."""
+    if ratio is not None:
+        rows = x.reshape(-1, num_experts)
+        rows += weight.reshape(rows.shape) * ratio[:, None]
+    cum = np.add.accumulate(x)
+    np.rint(cum, out=cum)
+    out[0] = cum[0]
+    np.subtract(cum[1:], cum[:-1], out=out[1:], casting="unsafe")
+
+
+if COMPILED:
+
+    @numba.njit(cache=True)
+    def _values(p_i, p_j, scale, inclusion, tokens, lo, bounded, uniforms, start, unused_prob, masked, x, weight):
+        for e in range(x.shape[0]):
+            a = p_i[e] + p_j[e]
+            a = a * scale
+            a = a + tokens * inclusion[e]
+            if bounded:
+                # np.clip: the larger of (a, lo), then the smaller of (that, T)
+                if not a > lo:
+                    a = lo
+                if not a < tokens:
+                    a = tokens
+                if masked:
+                    a = a * (1.0 if uniforms[start + e] >= unused_prob[e] else 0.0)
+                weight[e] = a * (tokens - a)
+            x[e] = a
+
+    @numba.njit(cache=True)
+    def _counts(x, weight, ratio, adjust, num_experts, out):
+        total = 0.0
+        prev = 0.0
+        for layer in range(x.shape[0] // num_experts):
+            r_layer = ratio[layer] if adjust else 0.0
+            for e in range(layer * num_experts, (layer + 1) * num_experts):
+                a = x[e]
+                if adjust:
+                    a = a + weight[e] * r_layer
+                total = total + a
+                r = np.rint(total)
+                out[e] = np.int64(r - prev)
+                prev = r
+
+    _NO_FLOATS = np.zeros(1)
+
+    def values(p_i, p_j, scale, inclusion, num_tokens, lo, bounded, uniforms, start, unused_prob, x, weight):
+        masked = unused_prob is not None
+        _values(
+            p_i, p_j, scale, inclusion, float(num_tokens), float(lo), bounded, uniforms, start,
+            unused_prob if masked else _NO_FLOATS, masked, x, weight,
+        )  # fmt: skip
+
+    def counts(x, weight, ratio, num_experts, out):
+        adjust = ratio is not None
+        _counts(x, weight, ratio if adjust else _NO_FLOATS, adjust, num_experts, out)
+
+else:  # pragma: no cover
+    values, counts = values_numpy, counts_numpy
