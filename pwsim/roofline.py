@@ -31,6 +31,7 @@ import numpy as np
 from pagedweight.config.latency import AnalyticLatencyConfig
 from pagedweight.core.spec import PRECISION_NAMES, PRECISIONS, GpuSpec, ModelSpec
 from pagedweight.core.step import StepShape
+from pwsim.roofline_kernels import expert_times
 
 
 def roofline_s(num_bytes, flops, bw_bytes_per_s: float, flops_per_s: float):
@@ -40,15 +41,15 @@ def roofline_s(num_bytes, flops, bw_bytes_per_s: float, flops_per_s: float):
 class _PrecisionGrid:
     """What ``moe_s`` needs that depends only on the experts' precisions (L, E)."""
 
-    __slots__ = ("key", "shape", "dtype", "read_s", "s_per_token", "layer_class", "num_calls_all_active", "ones")
+    __slots__ = ("key", "shape", "dtype", "read_s", "s_per_token", "layer_class", "num_keys", "ones")
 
     def __init__(self, model: AnalyticLatencyModel, precision_ids: np.ndarray, key: bytes):
         self.key, self.shape, self.dtype = key, precision_ids.shape, precision_ids.dtype
-        self.read_s = model.expert_read_s.take(precision_ids)
-        self.s_per_token = model.expert_s_per_token.take(precision_ids)
-        self.layer_class = model._layer_base + precision_ids
-        # Distinct (layer, precision class) pairs: a bincount is ~3x cheaper than np.unique here.
-        self.num_calls_all_active = int(np.count_nonzero(np.bincount(self.layer_class.ravel())))
+        # One row of the experts flattened: ``roofline_kernels.expert_times``' rank.
+        self.read_s = model.expert_read_s.take(precision_ids).reshape(1, -1)
+        self.s_per_token = model.expert_s_per_token.take(precision_ids).reshape(1, -1)
+        self.layer_class = (model._layer_base + precision_ids).reshape(1, -1)  # (layer, precision) key
+        self.num_keys = model.model.num_moe_layers * model._num_precisions
         self.ones = np.ones(precision_ids.size)
 
 
@@ -109,56 +110,37 @@ class AnalyticLatencyModel:
         """All routed-expert FFNs of all MoE layers, (L, E) inputs."""
         # Each numpy call on a small array costs ~1 us on one core, so the count of calls matters
         # more than their size. Precisions change rarely: what depends only on them (each
-        # expert's weight-read time and time per token, and the kernel launches when every
-        # expert is active) is kept until the precision grid changes.
+        # expert's weight-read time and time per token) is kept until the precision grid
+        # changes; the per-expert pass is one compiled loop (pwsim.roofline_kernels).
         grid = self._grid_for(precision_ids)
-        if np.count_nonzero(tokens_per_expert) == tokens_per_expert.size:  # every expert active
-            expert_s = tokens_per_expert * grid.s_per_token
-            np.maximum(expert_s, grid.read_s, out=expert_s)
-            # A float mask, not the bool one: np.dot with a bool operand leaves BLAS (300 vs 3 us
-            # for 48 x 128). All ones here, so the sum is the one the general case takes.
-            total_s = float(np.dot(expert_s.ravel(), grid.ones))
-            return total_s + grid.num_calls_all_active * self.cfg.kernel_launch_s
-        active = tokens_per_expert > 0
-        expert_s = tokens_per_expert * grid.s_per_token
-        np.maximum(expert_s, grid.read_s, out=expert_s)
-        total_s = float(np.dot(expert_s.ravel(), active.ravel().astype(np.float64)))
+        times, _, num_calls = expert_times(
+            tokens_per_expert.reshape(1, -1), grid.s_per_token, grid.read_s, grid.layer_class, grid.num_keys
+        )
         # One launch per (layer, precision class) with active experts.
-        num_calls = np.count_nonzero(np.bincount(grid.layer_class[active], minlength=1))
-        return total_s + num_calls * self.cfg.kernel_launch_s
+        return float(np.dot(times[0], grid.ones)) + int(num_calls[0]) * self.cfg.kernel_launch_s
 
     def moe_s_ranks(self, models: list[AnalyticLatencyModel], tokens: np.ndarray, precision_ids: list) -> list[float]:
         """``moe_s`` of every rank of an expert-parallel replica at once: ``models[r]``,
         ``tokens[r]`` (R, L, E) and ``precision_ids[r]`` are rank r's; the same floats as R
-        calls (each rank's sum over the same values in the same order), in ~15 numpy calls
-        where R calls take ~6 each (DeepSeek-V3 on 8 GPUs: 20% of a static policy's step)."""
+        calls (each rank's sum over the same values in the same order), in one pass and a dot
+        per rank (DeepSeek-V3 on 8 GPUs: R calls were 20% of a static policy's step)."""
         grids = [m._grid_for(p) for m, p in zip(models, precision_ids, strict=True)]
         stack = self._ranks_stack
         if stack is None or len(stack[0]) != len(grids) or any(map(operator.is_not, stack[0], grids)):
-            num_keys = self.model.num_moe_layers * self._num_precisions  # (layer, precision) pairs
-            offsets = (np.arange(len(grids)) * num_keys)[:, None, None]
+            num_keys = grids[0].num_keys  # (layer, precision) pairs of one rank
+            offsets = (np.arange(len(grids)) * num_keys)[:, None]
             stack = self._ranks_stack = (
                 grids,
-                np.stack([g.s_per_token for g in grids]),
-                np.stack([g.read_s for g in grids]),
-                np.stack([g.layer_class for g in grids]) + offsets,
-                num_keys,
+                np.concatenate([g.s_per_token for g in grids]),
+                np.concatenate([g.read_s for g in grids]),
+                np.concatenate([g.layer_class for g in grids]) + offsets,  # keys distinct per rank
+                len(grids) * num_keys,
             )
         _, s_per_token, read_s, keys, num_keys = stack
-        active = tokens > 0
-        expert_s = tokens * s_per_token
-        np.maximum(expert_s, read_s, out=expert_s)
-        expert_s *= active  # x * 1.0 and x * 0.0 are exact: each rank's dot below is moe_s's
-        size = tokens[0].size
-        num_active = np.count_nonzero(active.reshape(len(grids), size), axis=1).tolist()
-        if min(num_active) == size:  # every expert of every rank active (most steps of a large batch)
-            calls = [g.num_calls_all_active for g in grids]
-        else:  # one launch per (layer, precision class) with active experts, per rank
-            calls = np.count_nonzero(
-                np.bincount(keys[active], minlength=len(grids) * num_keys).reshape(len(grids), num_keys), axis=1
-            ).tolist()
+        times, _, calls = expert_times(tokens.reshape(len(grids), -1), s_per_token, read_s, keys, num_keys)
         launch_s = self.cfg.kernel_launch_s
-        return [float(np.dot(expert_s[r].ravel(), g.ones)) + calls[r] * launch_s for r, g in enumerate(grids)]
+        calls = calls.tolist()
+        return [float(np.dot(times[r], g.ones)) + calls[r] * launch_s for r, g in enumerate(grids)]
 
     def _grid_for(self, precision_ids: np.ndarray) -> _PrecisionGrid:
         key = precision_ids.tobytes()  # 256 bytes for Mixtral: cheaper than any array compare

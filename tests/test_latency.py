@@ -181,6 +181,42 @@ def test_every_ranks_moe_time_at_once_is_each_ranks_to_the_bit(seed):
     assert models[0].moe_s_ranks(models, np.zeros_like(tokens), ids) == [0.0] * ranks
 
 
+def _moe_s_by_numpy_passes(lat, tokens, ids) -> float:
+    """The roofline's MoE time as whole-array numpy passes, as ``moe_s`` computed it before its
+    per-expert pass was compiled: the times' dot with the activity mask (BLAS's order)."""
+    active = tokens > 0
+    expert_s = np.maximum(tokens * lat.expert_s_per_token.take(ids), lat.expert_read_s.take(ids))
+    total_s = float(np.dot(expert_s.ravel(), active.ravel().astype(np.float64)))
+    keys = (np.arange(ids.shape[0]) * lat._num_precisions)[:, None] + ids
+    return total_s + np.count_nonzero(np.bincount(keys[active], minlength=1)) * lat.cfg.kernel_launch_s
+
+
+@pytest.mark.parametrize("model", ["mixtral-8x7b", "deepseek-v3"])
+def test_moe_time_is_the_numpy_passes_to_the_bit(model):
+    """The compiled per-expert pass gives the floats of the numpy passes it replaced, with every
+    expert active, some or none, and the pass's numpy form (used without numba) the same."""
+    from pwsim import roofline_kernels
+
+    spec = load_model(model)
+    lat = build_latency_model(AnalyticLatencyConfig(), spec, H200)
+    rng = np.random.default_rng(1)
+    shape = (spec.num_moe_layers, spec.num_experts)
+    for step in range(40):
+        if step % 10 == 0:
+            ids = rng.choice([BF16, FP8, INT4], size=shape).astype(np.int8)
+        density = (0.0, 0.05, 0.5, 1.0)[step % 4]
+        tokens = (rng.random(shape) < density) * rng.integers(1, 600, size=shape)
+        assert lat.moe_s(tokens, ids) == _moe_s_by_numpy_passes(lat, tokens, ids)
+        grid = lat._grid_for(ids)
+        args = (tokens.reshape(1, -1), grid.s_per_token, grid.read_s, grid.layer_class, grid.num_keys)
+        for a, b in zip(
+            roofline_kernels.expert_times(*args, compiled=roofline_kernels.COMPILED),
+            roofline_kernels.expert_times(*args, compiled=False),
+            strict=True,
+        ):
+            assert np.array_equal(a, b)
+
+
 def test_quantize_and_h2d():
     lm = build_latency_model(None, MIXTRAL, H200)
     n, k = MIXTRAL.expert_ffn_size, MIXTRAL.hidden_size
