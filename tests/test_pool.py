@@ -177,3 +177,46 @@ def test_the_simulator_checks_each_call_only_when_asked(monkeypatch):
     assert engine.pool_checks()
     monkeypatch.delenv(engine.POOL_CHECKS_ENV)
     assert not engine.pool_checks()
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    spare_pages=st.integers(0, 400),
+    pairs=st.lists(st.tuples(st.integers(0, 15), st.sampled_from(["bf16", "fp8", "int8", "int4"])), max_size=24),
+    in_flight=st.lists(st.integers(0, 15), max_size=3, unique=True),
+)
+def test_begin_many_begins_what_one_begin_after_another_would(spare_pages, pairs, in_flight):
+    """The leading pairs ``begin_many`` takes are those one ``begin`` after another would take
+    before the first that lacks free pages, is in flight, repeats an expert or keeps its
+    precision; with the same transitions, pages and pool state."""
+    from pagedweight.core.pagetable import ExpertPageTable, expert_pages_by_id
+    from pagedweight.core.spec import load_model
+
+    model = load_model("tiny-moe")
+    experts = [e % model.num_experts_total for e, _ in pairs]
+    to_ids = [PRECISION_ID[name] for _, name in pairs]
+    initial = np.array([PRECISION_ID["int4"], PRECISION_ID["fp8"]] * model.num_experts_total)[: model.num_experts_total]
+    tables = []
+    for _ in range(2):
+        need = int(expert_pages_by_id(model, 16 << 10)[initial].sum())
+        pool = PagePool((need + spare_pages) * (16 << 10), page_bytes=16 << 10)
+        table = ExpertPageTable(pool, model, initial)
+        for e in in_flight:
+            e %= model.num_experts_total
+            if e not in table.in_flight and pool.num_free >= table.pages_by_id[PRECISION_ID["bf16"]]:
+                table.begin(e, PRECISION_ID["bf16"])
+        tables.append(table)
+    many, one = tables
+    got = many.begin_many(experts, to_ids)
+    want = []
+    for e, to_id in zip(experts, to_ids, strict=True):
+        if e in one.in_flight or to_id == one.precision_ids[e] or one.pages_by_id[to_id] > one.pool.num_free:
+            break
+        want.append(one.begin(e, to_id))
+    assert [(t.expert, t.from_id, t.to_id, t.pages.tolist(), t.num_bytes) for t in got] == [
+        (t.expert, t.from_id, t.to_id, t.pages.tolist(), t.num_bytes) for t in want
+    ]
+    assert many.in_flight.keys() == one.in_flight.keys()
+    assert many.pool.num_free == one.pool.num_free
+    assert np.array_equal(many.pool._owner_of, one.pool._owner_of)
+    assert np.array_equal(many.pool._free_stack[: many.pool.num_free], one.pool._free_stack[: one.pool.num_free])

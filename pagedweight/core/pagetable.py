@@ -86,28 +86,36 @@ class ExpertPageTable:
         """``begin`` for the longest leading part of (expert, to_id) pairs whose pages the pool's
         free pages cover without reclaiming cached ones, in one allocation: the same pages in the
         same order as one ``begin`` after another. Returns those begun; the caller begins the
-        rest one by one (each may reclaim, or find no room)."""
-        in_flight = self.in_flight
-        counts = self.pages_by_id[to_ids].tolist()
-        from_ids = self.precision_ids[experts].tolist()
-        free, seen, num = self.pool.num_free, set(), 0
-        for e, from_id, to_id, n in zip(experts, from_ids, to_ids, counts, strict=True):
-            if n > free or e in in_flight or e in seen or from_id == to_id:
-                break  # no room without reclaiming, or ``begin`` raises the error
-            free -= n
-            seen.add(e)
-            num += 1
+        rest one by one (each may reclaim, or find no room, or raise ``begin``'s error)."""
+        # paper-greedy begins ~1,300 upgrades of a 6,144-expert model at every re-plan, so the
+        # checks run in numpy and C-level set and dict operations, not pair by pair.
+        to_arr = np.asarray(to_ids, dtype=np.intp)
+        counts = self.pages_by_id[to_arr]
+        ends = np.cumsum(counts)  # the leading pairs fit while their running sum of pages does
+        num = int(np.searchsorted(ends, self.pool.num_free, side="right"))
+        same = np.flatnonzero(self.precision_ids[experts[:num]] == to_arr[:num])
+        if len(same):
+            num = int(same[0])
+        lead = experts[:num]
+        if self.in_flight and not self.in_flight.keys().isdisjoint(lead):
+            num = next(i for i, e in enumerate(lead) if e in self.in_flight)
+            lead = experts[:num]
+        if len(set(lead)) < num:  # an expert twice: stop at its second change
+            first_at: dict[int, int] = {}
+            for i, e in enumerate(lead):
+                if first_at.setdefault(e, i) != i:
+                    num = i
+                    break
+            lead = experts[:num]
         if not num:
             return []
-        pages = self.pool.alloc(OWNER_TRANSITION, sum(counts[:num]))
-        nbytes = self.bytes_by_id[to_ids[:num]].tolist()
-        out = []
-        at = 0
-        for e, from_id, to_id, n, b in zip(experts, from_ids, to_ids, counts, nbytes, strict=False):
-            t = Transition(e, from_id, to_id, pages[at : at + n], b)
-            at += n
-            in_flight[e] = t
-            out.append(t)
+        pages = self.pool.alloc(OWNER_TRANSITION, int(ends[num - 1]))
+        first = int(counts[0])
+        # One page count (the usual plan): each change's pages are a row of the allocation.
+        parts = list(pages.reshape(num, first)) if (counts[:num] == first).all() else np.split(pages, ends[: num - 1])
+        from_ids = self.precision_ids[lead].tolist()
+        out = list(map(Transition, lead, from_ids, to_ids[:num], parts, self.bytes_by_id[to_arr[:num]].tolist()))
+        self.in_flight.update(zip(lead, out, strict=True))
         return out
 
     def commit(self, expert: int) -> Transition:
