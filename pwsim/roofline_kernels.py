@@ -9,53 +9,56 @@ Here it is one loop compiled with numba; the sum of the times stays numpy's (``n
 order is BLAS's), so each rank's total is the same float as before: a product ``x * 1.0`` or
 ``x * 0.0`` is exact, so the dot of the masked times with ones is the dot of the times with the
 mask. ``tests/test_latency.py`` checks it against the numpy passes, which run where numba is not
-installed (``COMPILED`` is False).
+installed. Compiled on first use, like ``pwsim.routing_kernels``' loops.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from pwsim.routing_kernels import numba
-
-COMPILED = numba is not None
-
-if COMPILED:
-
-    @numba.njit(cache=True)
-    def _expert_times(tokens, s_per_token, read_s, keys, num_keys, out, num_active, num_calls):
-        seen = np.zeros(num_keys, dtype=np.bool_)
-        for r in range(tokens.shape[0]):
-            active = 0
-            calls = 0
-            for e in range(tokens.shape[1]):
-                t = tokens[r, e]
-                if t > 0:
-                    a = t * s_per_token[r, e]
-                    b = read_s[r, e]
-                    out[r, e] = a if a >= b else b  # np.maximum (no NaN here)
-                    active += 1
-                    k = keys[r, e]
-                    if not seen[k]:
-                        seen[k] = True
-                        calls += 1
-                else:
-                    out[r, e] = 0.0
-            num_active[r] = active
-            num_calls[r] = calls
+from pwsim.routing_kernels import available, numba_module
 
 
-def expert_times(tokens, s_per_token, read_s, keys, num_keys, compiled: bool = COMPILED):
+def _expert_times_loop(tokens, s_per_token, read_s, keys, num_keys, out, num_active, num_calls):
+    seen = np.zeros(num_keys, dtype=np.bool_)
+    for r in range(tokens.shape[0]):
+        active = 0
+        calls = 0
+        for e in range(tokens.shape[1]):
+            t = tokens[r, e]
+            if t > 0:
+                a = t * s_per_token[r, e]
+                b = read_s[r, e]
+                out[r, e] = a if a >= b else b  # np.maximum (no NaN here)
+                active += 1
+                k = keys[r, e]
+                if not seen[k]:
+                    seen[k] = True
+                    calls += 1
+            else:
+                out[r, e] = 0.0
+        num_active[r] = active
+        num_calls[r] = calls
+
+
+@functools.cache
+def _loop():
+    return numba_module().njit(cache=True)(_expert_times_loop)
+
+
+def expert_times(tokens, s_per_token, read_s, keys, num_keys, compiled: bool | None = None):
     """Per rank (rows of the 2-D inputs, each rank's experts flattened): the experts' times
     (``out``, 0 where inactive), active experts and distinct active ``keys`` (launches);
-    ``keys`` of different ranks must not collide, all below ``num_keys``. ``compiled=False``:
-    the numpy passes (the same values)."""
+    ``keys`` of different ranks must not collide, all below ``num_keys``. ``compiled``: the
+    numba loop (default where numba is installed) or the numpy passes (the same values)."""
     num_ranks = tokens.shape[0]
     out = np.empty(tokens.shape)
     num_active = np.empty(num_ranks, dtype=np.int64)
     num_calls = np.empty(num_ranks, dtype=np.int64)
-    if compiled:
-        _expert_times(tokens, s_per_token, read_s, keys, num_keys, out, num_active, num_calls)
+    if available() if compiled is None else compiled:
+        _loop()(tokens, s_per_token, read_s, keys, num_keys, out, num_active, num_calls)
         return out, num_active, num_calls
     active = tokens > 0
     np.multiply(tokens, s_per_token, out=out)

@@ -146,10 +146,10 @@ class RoutingSampler:
         alpha: float,
         rng: np.random.Generator,
         systematic_limit_points: int = SYSTEMATIC_LIMIT_POINTS,
-        compiled: bool = routing_kernels.COMPILED,
+        compiled: bool | None = None,
     ):
-        """``compiled``: the normal regime's passes compiled (numba) or as numpy passes; the
-        counts are the same either way."""
+        """``compiled``: the normal regime's passes compiled (numba; the default where it is
+        installed) or as numpy passes; the counts are the same either way."""
         num_layers, num_experts = model.num_moe_layers, model.num_experts
         if kind == "importance":
             if frequencies is None:
@@ -169,7 +169,7 @@ class RoutingSampler:
         self.top_k = k = model.top_k
         self.rng = rng  # the sampler's own: it draws ahead from it (UniformStream)
         self.systematic_limit_points = systematic_limit_points
-        if compiled:
+        if routing_kernels.available() if compiled is None else compiled:
             self._values, self._counts = routing_kernels.values, routing_kernels.counts
         else:
             self._values, self._counts = routing_kernels.values_numpy, routing_kernels.counts_numpy

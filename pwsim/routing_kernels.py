@@ -11,19 +11,30 @@ sums, rounds and differences. The matrix-vector sums between them stay numpy's, 
 Each loop performs the numpy passes' operations element by element in the same order (no
 fast-math: no fused multiply-add, no reassociation), so the counts are identical bit for bit;
 ``tests/test_routing.py`` checks that against the numpy passes below, which are also what runs
-where numba is not installed (``COMPILED`` is False).
+where numba is not installed. numba is imported and the loops compiled on first use, so that commands
+which simulate nothing do not import numba (~0.4 s); compiled code is cached on disk.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-try:
-    import numba
-except ImportError:  # pragma: no cover - numba is a dependency; a platform without its wheels
-    numba = None
 
-COMPILED = numba is not None
+@functools.cache
+def numba_module():
+    """numba, imported on first use; None where it is not installed (the numpy passes run)."""
+    try:
+        import numba
+    except ImportError:  # a platform without numba's wheels
+        return None
+    return numba
+
+
+def available() -> bool:
+    """Whether numba is installed, so that the compiled loops run."""
+    return numba_module() is not None
 
 
 def values_numpy(p_i, p_j, scale, inclusion, num_tokens, lo, bounded, uniforms, start, unused_prob, x, weight):
@@ -51,52 +62,57 @@ def counts_numpy(x, weight, ratio, num_experts, out):
     np.subtract(cum[1:], cum[:-1], out=out[1:], casting="unsafe")
 
 
-if COMPILED:
+def _values_loop(p_i, p_j, scale, inclusion, tokens, lo, bounded, uniforms, start, unused_prob, masked, x, weight):
+    for e in range(x.shape[0]):
+        a = p_i[e] + p_j[e]
+        a = a * scale
+        a = a + tokens * inclusion[e]
+        if bounded:
+            # np.clip: the larger of (a, lo), then the smaller of (that, T)
+            if not a > lo:
+                a = lo
+            if not a < tokens:
+                a = tokens
+            if masked:
+                a = a * (1.0 if uniforms[start + e] >= unused_prob[e] else 0.0)
+            weight[e] = a * (tokens - a)
+        x[e] = a
 
-    @numba.njit(cache=True)
-    def _values(p_i, p_j, scale, inclusion, tokens, lo, bounded, uniforms, start, unused_prob, masked, x, weight):
-        for e in range(x.shape[0]):
-            a = p_i[e] + p_j[e]
-            a = a * scale
-            a = a + tokens * inclusion[e]
-            if bounded:
-                # np.clip: the larger of (a, lo), then the smaller of (that, T)
-                if not a > lo:
-                    a = lo
-                if not a < tokens:
-                    a = tokens
-                if masked:
-                    a = a * (1.0 if uniforms[start + e] >= unused_prob[e] else 0.0)
-                weight[e] = a * (tokens - a)
-            x[e] = a
 
-    @numba.njit(cache=True)
-    def _counts(x, weight, ratio, adjust, num_experts, out):
-        total = 0.0
-        prev = 0.0
-        for layer in range(x.shape[0] // num_experts):
-            r_layer = ratio[layer] if adjust else 0.0
-            for e in range(layer * num_experts, (layer + 1) * num_experts):
-                a = x[e]
-                if adjust:
-                    a = a + weight[e] * r_layer
-                total = total + a
-                r = np.rint(total)
-                out[e] = np.int64(r - prev)
-                prev = r
+def _counts_loop(x, weight, ratio, adjust, num_experts, out):
+    total = 0.0
+    prev = 0.0
+    for layer in range(x.shape[0] // num_experts):
+        r_layer = ratio[layer] if adjust else 0.0
+        for e in range(layer * num_experts, (layer + 1) * num_experts):
+            a = x[e]
+            if adjust:
+                a = a + weight[e] * r_layer
+            total = total + a
+            r = np.rint(total)
+            out[e] = np.int64(r - prev)
+            prev = r
 
-    _NO_FLOATS = np.zeros(1)
 
-    def values(p_i, p_j, scale, inclusion, num_tokens, lo, bounded, uniforms, start, unused_prob, x, weight):
-        masked = unused_prob is not None
-        _values(
-            p_i, p_j, scale, inclusion, float(num_tokens), float(lo), bounded, uniforms, start,
-            unused_prob if masked else _NO_FLOATS, masked, x, weight,
-        )  # fmt: skip
+@functools.cache
+def _loops() -> tuple:
+    njit = numba_module().njit
+    return njit(cache=True)(_values_loop), njit(cache=True)(_counts_loop)
 
-    def counts(x, weight, ratio, num_experts, out):
-        adjust = ratio is not None
-        _counts(x, weight, ratio if adjust else _NO_FLOATS, adjust, num_experts, out)
 
-else:  # pragma: no cover
-    values, counts = values_numpy, counts_numpy
+_NO_FLOATS = np.zeros(1)
+
+
+def values(p_i, p_j, scale, inclusion, num_tokens, lo, bounded, uniforms, start, unused_prob, x, weight):
+    """``values_numpy``, compiled."""
+    masked = unused_prob is not None
+    _loops()[0](
+        p_i, p_j, scale, inclusion, float(num_tokens), float(lo), bounded, uniforms, start,
+        unused_prob if masked else _NO_FLOATS, masked, x, weight,
+    )  # fmt: skip
+
+
+def counts(x, weight, ratio, num_experts, out):
+    """``counts_numpy``, compiled."""
+    adjust = ratio is not None
+    _loops()[1](x, weight, ratio if adjust else _NO_FLOATS, adjust, num_experts, out)

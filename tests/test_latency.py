@@ -210,7 +210,7 @@ def test_moe_time_is_the_numpy_passes_to_the_bit(model):
         grid = lat._grid_for(ids)
         args = (tokens.reshape(1, -1), grid.s_per_token, grid.read_s, grid.layer_class, grid.num_keys)
         for a, b in zip(
-            roofline_kernels.expert_times(*args, compiled=roofline_kernels.COMPILED),
+            roofline_kernels.expert_times(*args),
             roofline_kernels.expert_times(*args, compiled=False),
             strict=True,
         ):
