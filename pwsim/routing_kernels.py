@@ -11,8 +11,8 @@ sums, rounds and differences. The matrix-vector sums between them stay numpy's, 
 Each loop performs the numpy passes' operations element by element in the same order (no
 fast-math: no fused multiply-add, no reassociation), so the counts are identical bit for bit;
 ``tests/test_routing.py`` checks that against the numpy passes below, which are also what runs
-where numba is not installed. numba is imported and the loops compiled on first use, so that commands
-which simulate nothing do not import numba (~0.4 s); compiled code is cached on disk.
+where numba is not installed. numba is imported and the loops compiled on first use, so that
+commands which simulate nothing do not import numba (~0.4 s); compiled code is cached on disk.
 """
 
 from __future__ import annotations
