@@ -113,7 +113,7 @@ class AnalyticLatencyModel:
         # expert's weight-read time and time per token) is kept until the precision grid
         # changes; the per-expert pass is one compiled loop (pwsim.roofline_kernels).
         grid = self._grid_for(precision_ids)
-        times, _, num_calls = expert_times(
+        times, num_calls = expert_times(
             tokens_per_expert.reshape(1, -1), grid.s_per_token, grid.read_s, grid.layer_class, grid.num_keys
         )
         # One launch per (layer, precision class) with active experts.
@@ -137,7 +137,7 @@ class AnalyticLatencyModel:
                 len(grids) * num_keys,
             )
         _, s_per_token, read_s, keys, num_keys = stack
-        times, _, calls = expert_times(tokens.reshape(len(grids), -1), s_per_token, read_s, keys, num_keys)
+        times, calls = expert_times(tokens.reshape(len(grids), -1), s_per_token, read_s, keys, num_keys)
         launch_s = self.cfg.kernel_launch_s
         calls = calls.tolist()
         return [float(np.dot(times[r], g.ones)) + calls[r] * launch_s for r, g in enumerate(grids)]

@@ -1,10 +1,10 @@
 """The per-expert pass of the roofline's MoE time (``pwsim.roofline``), compiled.
 
 Per step and rank, ``moe_s`` needs each routed expert's time (its tokens at the compute roof or
-its weight read, whichever is longer; 0 when no token routes to it), how many experts are
-active, and how many (layer, precision class) kernel launches the active ones take. As numpy
-passes that is 4-10 calls a step (a mask, a product, a maximum, a cast, an index, a bincount,
-two counts), each paying its dispatch: ~18 us a step on Mixtral-8x7B in a running simulation.
+its weight read, whichever is longer; 0 when no token routes to it) and how many (layer,
+precision class) kernel launches the active ones take. As numpy passes that is 4-10 calls a
+step (a mask, a product, a maximum, a cast, an index, a bincount, two counts), each paying its
+dispatch: ~18 us a step on Mixtral-8x7B in a running simulation.
 Here it is one loop compiled with numba; the sum of the times stays numpy's (``np.dot``, whose
 order is BLAS's), so each rank's total is the same float as before: a product ``x * 1.0`` or
 ``x * 0.0`` is exact, so the dot of the masked times with ones is the dot of the times with the
@@ -21,10 +21,9 @@ import numpy as np
 from pwsim.routing_kernels import available, numba_module
 
 
-def _expert_times_loop(tokens, s_per_token, read_s, keys, num_keys, out, num_active, num_calls):
+def _expert_times_loop(tokens, s_per_token, read_s, keys, num_keys, out, num_calls):
     seen = np.zeros(num_keys, dtype=np.bool_)
     for r in range(tokens.shape[0]):
-        active = 0
         calls = 0
         for e in range(tokens.shape[1]):
             t = tokens[r, e]
@@ -32,14 +31,12 @@ def _expert_times_loop(tokens, s_per_token, read_s, keys, num_keys, out, num_act
                 a = t * s_per_token[r, e]
                 b = read_s[r, e]
                 out[r, e] = a if a >= b else b  # np.maximum (no NaN here)
-                active += 1
                 k = keys[r, e]
                 if not seen[k]:
                     seen[k] = True
                     calls += 1
             else:
                 out[r, e] = 0.0
-        num_active[r] = active
         num_calls[r] = calls
 
 
@@ -50,20 +47,18 @@ def _loop():
 
 def expert_times(tokens, s_per_token, read_s, keys, num_keys, compiled: bool | None = None):
     """Per rank (rows of the 2-D inputs, each rank's experts flattened): the experts' times
-    (``out``, 0 where inactive), active experts and distinct active ``keys`` (launches);
+    (``out``, 0 where inactive) and the distinct active ``keys`` (launches);
     ``keys`` of different ranks must not collide, all below ``num_keys``. ``compiled``: the
     numba loop (default where numba is installed) or the numpy passes (the same values)."""
     num_ranks = tokens.shape[0]
     out = np.empty(tokens.shape)
-    num_active = np.empty(num_ranks, dtype=np.int64)
     num_calls = np.empty(num_ranks, dtype=np.int64)
     if available() if compiled is None else compiled:
-        _loop()(tokens, s_per_token, read_s, keys, num_keys, out, num_active, num_calls)
-        return out, num_active, num_calls
+        _loop()(tokens, s_per_token, read_s, keys, num_keys, out, num_calls)
+        return out, num_calls
     active = tokens > 0
     np.multiply(tokens, s_per_token, out=out)
     np.maximum(out, read_s, out=out)
     out *= active
-    num_active[:] = np.count_nonzero(active, axis=1)
     num_calls[:] = np.count_nonzero(np.bincount(keys[active], minlength=num_keys).reshape(num_ranks, -1), axis=1)
-    return out, num_active, num_calls
+    return out, num_calls
