@@ -29,9 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pagedweight.config.run import scenario_run
     from pagedweight.config.scenario import load_scenario
-    from pagedweight.results.writer import RequestColumns, write_policy_tables
-    from pwsim.parallel import write_ep_tables
-    from pwsim.run import _latency, scenario_engine
+    from pwsim.run import _latency, scenario_engine, write_engine_tables
 
     loaded = load_scenario(args.scenario, args.set)
     run = scenario_run(loaded, [args.policy])
@@ -42,12 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def write(parts: Path, step_tables: bool) -> float:
         cpu0 = time.process_time()
-        if hasattr(engine, "ranks"):  # an expert-parallel replica
-            write_ep_tables(parts, args.policy, engine, step_tables=step_tables)
-        else:
-            columns = RequestColumns.of(engine.requests)
-            reqs, core = engine.requests, engine.core
-            write_policy_tables(parts, args.policy, reqs, core, columns=columns, step_tables=step_tables)
+        write_engine_tables(parts, args.policy, engine, step_tables)
         return time.process_time() - cpu0
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -44,7 +44,7 @@ from pagedweight.config.scenario import LoadedScenario
 from pagedweight.core.scheduler import Request
 from pagedweight.policy.policies import PolicyInfeasible, relative_run_cost
 from pagedweight.results.metrics import PERCENTILES, RequestColumns, inter_token_ms, summarize_columns
-from pagedweight.results.writer import policy_summary, write_policy_tables
+from pagedweight.results.writer import policy_summary
 from pagedweight.workload.traces import RequestTrace
 from pwsim.engine import replay_arrivals, run_until, verify_memory
 from pwsim.router import RequestRouter
@@ -107,13 +107,14 @@ def _replica_result(
             r.request_id = int(ids[r.request_id])
     columns = RequestColumns.of(eng.requests)
     if hasattr(eng, "ranks"):
-        from pwsim.parallel import ep_summary, write_ep_tables
+        from pwsim.parallel import ep_summary
 
         summary = ep_summary(eng, run.slo, wall_s)
-        write_ep_tables(parts_dir, policy, eng, replica, step_tables)
     else:
         summary = policy_summary(eng.requests, eng.core, run.slo, wall_s, eng.bytes_h2d, columns)
-        write_policy_tables(parts_dir, policy, eng.requests, eng.core, replica, columns, step_tables)
+    from pwsim.run import write_engine_tables
+
+    write_engine_tables(parts_dir, policy, eng, step_tables, columns, replica)
     summary["replica"] = replica
     itl = _itl_histogram(eng.requests)
     return {"summary": summary, "parts_dir": str(parts_dir), "requests": columns, "itl": itl}

@@ -192,20 +192,40 @@ def simulate_policy(
         eng.run(progress=lambda now_s: progress(min(now_s / horizon_s, 1.0) if horizon_s > 0 else 1.0))
     else:
         eng.run()
+    columns = None
     if hasattr(eng, "ranks"):  # an expert-parallel replica
-        from pwsim.parallel import ep_summary, write_ep_tables
+        from pwsim.parallel import ep_summary
 
         out["summary"] = ep_summary(eng, run.slo, time.perf_counter() - wall0)
-        write_ep_tables(Path(parts_dir), policy, eng, step_tables=step_tables)
     else:
         wall_s = time.perf_counter() - wall0
         columns = RequestColumns.of(eng.requests)
         out["summary"] = policy_summary(eng.requests, eng.core, run.slo, wall_s, eng.bytes_h2d, columns)
-        write_policy_tables(Path(parts_dir), policy, eng.requests, eng.core, columns=columns, step_tables=step_tables)
+    write_engine_tables(Path(parts_dir), policy, eng, step_tables, columns)
     out["parts_dir"] = parts_dir
     if own_latency:
         out["out_of_grid"] = dict(getattr(latency, "out_of_grid", None) or {})
     return out
+
+
+def write_engine_tables(
+    parts_dir: Path,
+    policy: str,
+    eng,
+    step_tables: bool = True,
+    columns: RequestColumns | None = None,
+    replica: int | None = None,
+) -> None:
+    """A simulated engine's tables into ``parts_dir``: one GPU's, or an expert-parallel
+    replica's (``eng.ranks``); the request table alone without ``step_tables``; with
+    ``replica`` (a cluster's), a ``replica`` column."""
+    if hasattr(eng, "ranks"):
+        from pwsim.parallel import write_ep_tables
+
+        write_ep_tables(parts_dir, policy, eng, replica, step_tables)
+    else:
+        columns = columns if columns is not None else RequestColumns.of(eng.requests)
+        write_policy_tables(parts_dir, policy, eng.requests, eng.core, replica, columns, step_tables)
 
 
 def _result_line(index: int, r: dict) -> str:
