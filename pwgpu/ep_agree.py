@@ -85,6 +85,16 @@ class KvView:
     def num_free_blocks(self) -> int:
         return max(0, self.real.num_free_blocks - self.deficit)
 
+    def num_growable_blocks(self) -> int:
+        return min(self.real.num_growable_blocks(), self.num_free_blocks)
+
+    def allocate_each(self, num_blocks: int) -> list[int]:
+        if num_blocks > self.num_growable_blocks():
+            raise PagedWeightError(f"asked for {num_blocks} KV blocks; the tightest rank has {self.num_free_blocks}")
+        out = self.real.allocate_each(num_blocks)
+        self.taken += num_blocks
+        return out
+
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > self.num_free_blocks:
             raise PagedWeightError(f"asked for {num_blocks} KV blocks; the tightest rank has {self.num_free_blocks}")

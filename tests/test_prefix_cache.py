@@ -644,6 +644,64 @@ def test_one_block_reuse_is_the_general_eviction(ops):
         twin.check()
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["retire", "release", "hold"]), st.integers(1, 6)), min_size=1, max_size=12),
+    reserve=st.integers(0, 6),
+    protected=st.integers(0, 12),
+    blocks_per_page=st.sampled_from([1, 1, 2]),
+)
+def test_blocks_one_by_one_in_one_call(ops, reserve, protected, blocks_per_page):
+    """``allocate_each(n)`` against ``n`` calls of ``allocate(1)`` on a twin allocator: the same
+    blocks in the same order, and the same pool, evictable set, ghosts and counts, for every
+    ``n`` up to ``num_growable_blocks``: free pages first, then evictions, past the downgrade
+    reserve and protected blocks. Each of those calls finds a block free, as the scheduler's
+    pressure hook would have asked; one more would not (with one block per page)."""
+    import copy
+
+    _, kv, _ = make(24, block_tokens=4, blocks_per_page=blocks_per_page)
+    kv.track_reuse(capacity_blocks=5)  # small: the ghost list ages along the way
+    key = 0
+    for kind, n in ops:
+        if n > kv.num_free_blocks:
+            break
+        blocks = kv.allocate(n)
+        if kind == "retire":
+            kv.retire(blocks, n)
+        elif kind == "release":
+            kv.cache_blocks(blocks, list(range(key, key + n)))
+            key += n
+            kv.release(blocks)
+    kv.reserve_pages = reserve
+    kv.protected_blocks = protected
+    room = kv.num_growable_blocks()
+    if blocks_per_page > 1:
+        assert room == 0
+        return
+    assert room == kv.num_free_blocks
+    for n in range(room + 1):
+        twin, each = copy.deepcopy(kv), copy.deepcopy(kv)
+        one_by_one = []
+        for _ in range(n):
+            assert twin.num_free_blocks >= 1
+            one_by_one += twin.allocate(1)
+        assert each.allocate_each(n) == one_by_one
+        assert each.evictable_blocks() == twin.evictable_blocks()
+        assert (each.num_evicted_blocks, each.num_used_blocks, each.num_free_blocks, each.num_protected_blocks) == (
+            twin.num_evicted_blocks,
+            twin.num_used_blocks,
+            twin.num_free_blocks,
+            twin.num_protected_blocks,
+        )
+        assert each.ghosts.newer == twin.ghosts.newer and len(each.ghosts) == len(twin.ghosts)
+        assert each.pool.counts() == twin.pool.counts() and list(each.pool._owner_of) == list(twin.pool._owner_of)
+        assert each._block_of_key == twin._block_of_key
+        each.check()
+    assert twin.num_free_blocks == 0  # each call took exactly one block off the free count
+    with pytest.raises(PoolExhausted):
+        copy.deepcopy(kv).allocate_each(room + 1)
+
+
 @pytest.mark.parametrize(
     "policy, sets",
     [

@@ -150,7 +150,7 @@ def run_random_workload(
     """One random workload to the end, checking every invariant at every step; returns the steps.
     ``forecast``: ask for the KV forecast after every step, as the controller does before the
     next schedule (admission then reuses the promised blocks it counted); ``batches``: a list
-    that gets each step's (request ids, tokens, preempted ids)."""
+    that gets each step's (request ids, tokens, preempted ids, each request's KV blocks)."""
     rng = np.random.default_rng(seed)
     pool, kv, s = make(
         num_pages,
@@ -189,7 +189,8 @@ def run_random_workload(
         assert batch.num_tokens <= max_batched and len(s.running) <= max_seqs
         if batches is not None:
             ids = [r.request_id for r in batch.requests]
-            batches.append((ids, list(batch.num_new_tokens), [r.request_id for r in batch.preempted]))
+            blocks = [list(r.block_ids) for r in batch.requests]
+            batches.append((ids, list(batch.num_new_tokens), [r.request_id for r in batch.preempted], blocks))
         s.finish_step(batch, now + 0.5)
         now += 0.5
         steps += 1
@@ -263,6 +264,44 @@ def test_admission_decides_alike_with_the_forecasts_count_or_its_own():
         run_random_workload(**kw, forecast=False, batches=fresh)
         assert with_memo == fresh
     assert total >= 500
+
+
+def test_decodes_growing_a_block_together_get_what_one_by_one_gives(monkeypatch):
+    """Decodes whose last block is full take their next blocks in one ``allocate_each`` while
+    the allocator can hand them out one by one (``schedule``'s ``_grow``): every batch, KV block
+    and preemption is what the general path, one ``_reserve`` each, gives; through pressure
+    hooks, preemptions, swaps and the forecast's promised count."""
+    total, grown = 0, []
+    real = KvBlockAllocator.allocate_each
+
+    def counted(kv, n):
+        grown.append(n)
+        return real(kv, n)
+
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        kw = dict(
+            seed=seed,
+            num_pages=int(rng.integers(12, 64)),
+            blocks_per_page=1,  # where blocks grow together (several a page: one by one)
+            block_tokens=int(rng.choice([1, 4, 16])),
+            max_batched=int(rng.integers(16, 256)),
+            max_seqs=int(rng.integers(2, 32)),
+            num_requests=int(rng.integers(20, 80)),
+            with_hook=bool(seed % 2),
+            mode="recompute" if seed % 3 else "swap",
+            admission="forecast" if seed % 4 else "greedy",
+        )
+        together: list = []
+        one_by_one: list = []
+        with monkeypatch.context() as m:
+            m.setattr(KvBlockAllocator, "allocate_each", counted)
+            total += run_random_workload(**kw, batches=together)
+        with monkeypatch.context() as m:
+            m.setattr(KvBlockAllocator, "num_growable_blocks", lambda kv: 0)
+            run_random_workload(**kw, batches=one_by_one)
+        assert together == one_by_one
+    assert total >= 500 and sum(grown) >= 200 and max(grown) >= 2, (total, sum(grown))
 
 
 @pytest.mark.parametrize(

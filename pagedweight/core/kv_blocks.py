@@ -178,6 +178,26 @@ class KvBlockAllocator:
                 out.append(entry)
         return out
 
+    def num_growable_blocks(self) -> int:
+        """How many ``allocate(1)`` calls in a row succeed now, each without a shortage (so
+        without the scheduler's pressure hook), and ``allocate_each`` hands out in one call:
+        ``num_free_blocks`` with one block per page, where each such call takes one block off
+        it; 0 with several, where a call's blocks depend on the pages' free slots."""
+        return self.num_free_blocks if self.blocks_per_page == 1 else 0
+
+    def allocate_each(self, num_blocks: int) -> list[int]:
+        """The blocks of ``num_blocks`` calls of ``allocate(1)`` in a row, in their order, with
+        the same evictions and ghosts (at most ``num_growable_blocks``): free pages popped off the
+        pool's stack first, as one ``allocate``, then evictable blocks reused one at a time."""
+        if num_blocks > self.num_growable_blocks():
+            raise PoolExhausted(f"asked for {num_blocks} KV blocks one by one; {self.num_growable_blocks()} can be")
+        direct = self.pool._num_free - self.reserve_pages
+        out = self.allocate(direct if direct < num_blocks else num_blocks) if direct > 0 else []
+        if len(out) < num_blocks:
+            reuse_one = self._reuse_one
+            out.extend([reuse_one() for _ in range(num_blocks - len(out))])
+        return out
+
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > self.num_free_blocks:
             raise PoolExhausted(f"asked for {num_blocks} KV blocks; {self.num_free_blocks} free")

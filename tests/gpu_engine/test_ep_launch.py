@@ -276,6 +276,8 @@ def test_rank_zeros_view_holds_the_tightest_ranks_free_blocks():
     """``KvView``: rank 0's scheduler sees rank 0's free blocks less the deficit of the tightest
     rank, and counts what the step's batch takes, which the other ranks take later; ``_room``
     asks a rank's own pressure hook for exactly what it lacks."""
+    import copy
+
     from pagedweight.core.kv_blocks import KvBlockAllocator
     from pagedweight.core.pool import PagePool
     from pagedweight.errors import PagedWeightError
@@ -296,6 +298,17 @@ def test_rank_zeros_view_holds_the_tightest_ranks_free_blocks():
     assert _room(kv, asked.append, want=None, taken=3) == 26 and asked == []
     assert _room(kv, asked.append, want=30, taken=3) == 26 and asked == [4]  # the hook freed nothing
     assert _room(kv, None, want=30, taken=3) == 26
+    assert view.num_growable_blocks() == 0  # two blocks a page: decodes grow one ``_reserve`` each
+    # One block a page: decodes growing a block take them together, within the tightest rank.
+    kv1 = KvBlockAllocator(PagePool(16 << 10, 1 << 10), block_tokens=4, kv_bytes_per_token=256)
+    view1 = KvView(kv1)
+    view1.deficit = 10
+    assert view1.num_growable_blocks() == 6
+    with pytest.raises(PagedWeightError, match="tightest rank has 6"):
+        view1.allocate_each(7)
+    twin = copy.deepcopy(kv1)
+    assert view1.allocate_each(4) == [twin.allocate(1)[0] for _ in range(4)]
+    assert view1.taken == 4 and view1.num_growable_blocks() == 2 and kv1.num_free_blocks == 12
 
 
 def test_the_one_process_library_path_refuses_a_parallel_scenario(tmp_path):
