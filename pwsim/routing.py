@@ -171,8 +171,10 @@ class RoutingSampler:
         self.systematic_limit_points = systematic_limit_points
         if routing_kernels.available() if compiled is None else compiled:
             self._values, self._counts = routing_kernels.values, routing_kernels.counts
+            self._systematic_counts = routing_kernels.systematic
         else:
             self._values, self._counts = routing_kernels.values_numpy, routing_kernels.counts_numpy
+            self._systematic_counts = routing_kernels.systematic_numpy
         self._systematic_max_picks = SYSTEMATIC_MAX_MEAN_COUNT * num_experts
         self.probs = waterfill_top_k(freqs, k)  # (L, E), rows sum to 1
         # (L, E), rows sum to k; clipped because rounding in the water-fill can leave 1 + 1e-16.
@@ -180,11 +182,10 @@ class RoutingSampler:
         self._num_layers, self._num_experts = num_layers, num_experts
         self._layer_ids = np.arange(num_layers)
         # Systematic sampling: row l's running inclusion sum shifted by l * k, so that one
-        # searchsorted serves all layers (a point u + j + l * k lands in row l).
+        # search serves all layers (a point u + j + l * k lands in row l).
         cum = np.cumsum(self.inclusion, axis=1)
         cum[:, -1] = k  # rounding must not leave a point past the row's end
         self._inclusion_cum_flat = (cum + k * self._layer_ids[:, None]).ravel()
-        self._point_offsets = (k * self._layer_ids)[:, None, None] + np.arange(k)[None, None, :]
         self._init_noise_pool()
 
     def _init_noise_pool(self) -> None:
@@ -218,11 +219,12 @@ class RoutingSampler:
         self._max_cached_token_counts = TOKEN_CACHE_BYTES // (8 * size)
 
     def _systematic(self, num_tokens: int) -> np.ndarray:
-        u = self._stream.array((self._num_layers, num_tokens, 1))
-        points = (u + self._point_offsets).ravel()
-        flat = np.searchsorted(self._inclusion_cum_flat, points, side="right")
-        size = self._num_layers * self._num_experts
-        return np.bincount(np.minimum(flat, size - 1), minlength=size).reshape(self._num_layers, self._num_experts)
+        """Counts (L, E) by systematic sampling (``routing_kernels.systematic_numpy``): exact,
+        distinct experts per token; the regime of small batches."""
+        u = self._stream.array((self._num_layers * num_tokens,))
+        out = np.zeros(self._num_layers * self._num_experts, dtype=np.int64)
+        self._systematic_counts(u, self._inclusion_cum_flat, self._num_layers, num_tokens, self.top_k, out)
+        return out.reshape(self._num_layers, self._num_experts)
 
     def _normal(self, num_tokens: int) -> np.ndarray:
         """Counts (L, E) summing to T * k per layer, none above T (see the module docstring).

@@ -1,4 +1,4 @@
-"""The per-element passes of the routing sampler's normal regime (``pwsim.routing``), compiled.
+"""The per-element passes of the routing sampler (``pwsim.routing``), compiled.
 
 A normal-regime draw is ~15 whole-array numpy passes over the L x E counts: ~40 us a step on
 Mixtral-8x7B (256 values) in a running simulation, where each call pays its dispatch, and ~200 us
@@ -7,6 +7,9 @@ add through memory per element) is ~50 us. Here they are two loops compiled with
 builds the values (and the weights that restore each layer's total), one adds the correction,
 sums, rounds and differences. The matrix-vector sums between them stay numpy's, and the
 ``(1 - pi)**T`` table stays ``np.exp``'s, so that every value is the one the numpy passes give.
+A third loop draws the systematic regime (small batches): each point found by binary search in
+its own layer's running sums and counted, where numpy searched the whole flat array for every
+point and counted with ``bincount``; the same counts, ties included (side right).
 
 Each loop performs the numpy passes' operations element by element in the same order (no
 fast-math: no fused multiply-add, no reassociation), so the counts are identical bit for bit;
@@ -94,10 +97,45 @@ def _counts_loop(x, weight, ratio, adjust, num_experts, out):
             prev = r
 
 
+def systematic_numpy(uniforms, cum_flat, num_layers, num_tokens, top_k, out):
+    """``out`` (flat, L x E): each expert's points of systematic sampling. Layer l's token t
+    puts its ``top_k`` points at ``u[l, t] + l * k + j`` (j < k) on the layers' running
+    inclusion sums laid end to end (``cum_flat``, row l shifted by l * k); a point counts for
+    the expert whose interval holds it (``searchsorted``, side right; past the end: the last)."""
+    offsets = (top_k * np.arange(num_layers))[:, None, None] + np.arange(top_k)[None, None, :]
+    points = (uniforms.reshape(num_layers, num_tokens, 1) + offsets).ravel()
+    flat = np.searchsorted(cum_flat, points, side="right")
+    size = len(out)
+    out[:] = np.bincount(np.minimum(flat, size - 1), minlength=size)
+
+
+def _systematic_loop(uniforms, cum_flat, num_layers, num_tokens, top_k, out):
+    size = cum_flat.shape[0]
+    num_experts = size // num_layers
+    for layer in range(num_layers):
+        # Layer l's points lie in [l * k, (l + 1) * k): every sum of the rows before it is
+        # <= l * k and every one after it >= (l + 1) * k, so the search for how many sums are
+        # <= a point (searchsorted, side right) need only look in its own row.
+        first, last = layer * num_experts, (layer + 1) * num_experts
+        for t in range(num_tokens):
+            u = uniforms[layer * num_tokens + t]
+            lo = first
+            for j in range(top_k):
+                point = u + (layer * top_k + j)  # one add, as numpy adds the int offsets
+                hi = last  # lo stays: a token's points rise with j
+                while lo < hi:
+                    mid = (lo + hi) >> 1
+                    if cum_flat[mid] <= point:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                out[lo if lo < size - 1 else size - 1] += 1
+
+
 @functools.cache
 def _loops() -> tuple:
     njit = numba_module().njit
-    return njit(cache=True)(_values_loop), njit(cache=True)(_counts_loop)
+    return njit(cache=True)(_values_loop), njit(cache=True)(_counts_loop), njit(cache=True)(_systematic_loop)
 
 
 _NO_FLOATS = np.zeros(1)
@@ -116,3 +154,8 @@ def counts(x, weight, ratio, num_experts, out):
     """``counts_numpy``, compiled."""
     adjust = ratio is not None
     _loops()[1](x, weight, ratio if adjust else _NO_FLOATS, adjust, num_experts, out)
+
+
+def systematic(uniforms, cum_flat, num_layers, num_tokens, top_k, out):
+    """``systematic_numpy``, compiled (``out`` must be zeros)."""
+    _loops()[2](uniforms, cum_flat, num_layers, num_tokens, top_k, out)

@@ -195,6 +195,34 @@ def test_compiled_and_numpy_passes_draw_the_counts_they_always_drew(name, kind):
     assert _digest(name, kind, compiled=False) == _DIGESTS[(name, kind)]
 
 
+def test_compiled_systematic_counts_are_numpys_on_ties_too():
+    """The compiled systematic loop against ``np.searchsorted`` + ``np.bincount``, on points that
+    fall exactly on a running sum (a tie counts for the next expert, as side right does) and on
+    experts never picked (zero inclusion: equal sums), which random uniforms almost never hit."""
+    from pwsim import routing_kernels
+
+    if not routing_kernels.available():
+        pytest.skip("numba is not installed: only the numpy passes run")
+    rng = np.random.default_rng(5)
+    for num_layers, num_experts, top_k in ((1, 4, 1), (3, 8, 2), (4, 16, 4)):
+        incl = rng.choice([0.0, 0.125, 0.25, 0.5], (num_layers, num_experts))
+        incl *= top_k / incl.sum(axis=1, keepdims=True)
+        cum = np.cumsum(incl, axis=1)
+        cum[:, -1] = top_k
+        cum_flat = (cum + top_k * np.arange(num_layers)[:, None]).ravel()
+        for num_tokens in (1, 3, 17):
+            # uniforms on the layer's sums' fractional parts (ties), and random ones
+            ties = np.concatenate([np.modf(cum_flat)[0], [0.0]])
+            n = num_layers * num_tokens
+            uniforms = np.where(rng.random(n) < 0.7, rng.choice(ties, n), rng.random(n))
+            want = np.zeros(num_layers * num_experts, dtype=np.int64)
+            got = np.zeros_like(want)
+            routing_kernels.systematic_numpy(uniforms, cum_flat, num_layers, num_tokens, top_k, want)
+            routing_kernels.systematic(uniforms, cum_flat, num_layers, num_tokens, top_k, got)
+            assert got.tolist() == want.tolist()
+            assert want.sum() == num_layers * num_tokens * top_k
+
+
 def test_both_passes_cover_every_branch_of_the_normal_regime():
     """The draws of the digest test reach the fast path, the bounded one with and without the
     exact zero draw, and the fallback to systematic sampling, so the comparison covers them."""
