@@ -239,25 +239,32 @@ def test_random_workloads_lose_nothing():
     assert sum(steps) >= 2000, steps
 
 
+def seeded_workload(seed: int, pages: tuple[int, int], blocks_per_page: int | None = None, admission="forecast"):
+    """``run_random_workload``'s arguments drawn from ``seed``: a hook on odd seeds, swap
+    preemption on seeds divisible by 3."""
+    rng = np.random.default_rng(seed)
+    num_pages, drawn_blocks_per_page = int(rng.integers(*pages)), int(rng.integers(1, 4))
+    return dict(
+        seed=seed,
+        num_pages=num_pages,
+        blocks_per_page=drawn_blocks_per_page if blocks_per_page is None else blocks_per_page,
+        block_tokens=int(rng.choice([1, 4, 16])),
+        max_batched=int(rng.integers(16, 256)),
+        max_seqs=int(rng.integers(2, 32)),
+        num_requests=int(rng.integers(20, 80)),
+        with_hook=bool(seed % 2),
+        mode="recompute" if seed % 3 else "swap",
+        admission=admission,
+    )
+
+
 def test_admission_decides_alike_with_the_forecasts_count_or_its_own():
     """Admission reuses the promised blocks the controller's forecast counted just before the
     schedule (updated for the blocks the running requests took meanwhile): every batch and
     preemption is what counting afresh gives."""
     total = 0
     for seed in range(12):
-        rng = np.random.default_rng(seed)
-        kw = dict(
-            seed=seed,
-            num_pages=int(rng.integers(8, 48)),
-            blocks_per_page=int(rng.integers(1, 4)),
-            block_tokens=int(rng.choice([1, 4, 16])),
-            max_batched=int(rng.integers(16, 256)),
-            max_seqs=int(rng.integers(2, 32)),
-            num_requests=int(rng.integers(20, 80)),
-            with_hook=bool(seed % 2),
-            mode="recompute" if seed % 3 else "swap",
-            admission="forecast",
-        )
+        kw = seeded_workload(seed, pages=(8, 48))
         with_memo: list = []
         fresh: list = []
         total += run_random_workload(**kw, forecast=True, batches=with_memo)
@@ -279,19 +286,8 @@ def test_decodes_growing_a_block_together_get_what_one_by_one_gives(monkeypatch)
         return real(kv, n)
 
     for seed in range(10):
-        rng = np.random.default_rng(seed)
-        kw = dict(
-            seed=seed,
-            num_pages=int(rng.integers(12, 64)),
-            blocks_per_page=1,  # where blocks grow together (several a page: one by one)
-            block_tokens=int(rng.choice([1, 4, 16])),
-            max_batched=int(rng.integers(16, 256)),
-            max_seqs=int(rng.integers(2, 32)),
-            num_requests=int(rng.integers(20, 80)),
-            with_hook=bool(seed % 2),
-            mode="recompute" if seed % 3 else "swap",
-            admission="forecast" if seed % 4 else "greedy",
-        )
+        # One block a page: where blocks grow together (with several, one ``_reserve`` each).
+        kw = seeded_workload(seed, pages=(12, 64), blocks_per_page=1, admission="forecast" if seed % 4 else "greedy")
         together: list = []
         one_by_one: list = []
         with monkeypatch.context() as m:

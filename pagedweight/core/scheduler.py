@@ -370,7 +370,7 @@ class Scheduler:
                     continue
                 if room is None:
                     room = self.kv.num_growable_blocks()
-                if len(grow) < room:
+                if len(grow) < room:  # the first branch's appends again: that path checks no flag
                     grow.append(req)
                     if memo is not None:  # its promise lacks one block fewer (it is past its blocks)
                         memo -= 1
