@@ -206,6 +206,7 @@ def test_compiled_systematic_counts_are_numpys_on_ties_too():
     rng = np.random.default_rng(5)
     for num_layers, num_experts, top_k in ((1, 4, 1), (3, 8, 2), (4, 16, 4)):
         incl = rng.choice([0.0, 0.125, 0.25, 0.5], (num_layers, num_experts))
+        incl[:, 0] += 0.125  # no row without a used expert
         incl *= top_k / incl.sum(axis=1, keepdims=True)
         cum = np.cumsum(incl, axis=1)
         cum[:, -1] = top_k
