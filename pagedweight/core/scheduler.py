@@ -350,56 +350,49 @@ class Scheduler:
         # A decode whose last block is full needs one more (one in ``block_tokens`` steps, ~10
         # a step in a batch of 150). While the allocator can hand such blocks out one by one
         # without a shortage (``KvBlockAllocator.num_growable_blocks``), they are taken together
-        # (``_grow``), the same blocks in the same order, with none of the general path's
-        # checks; before anything else allocates, frees or asks the pressure hook, the requests
-        # passed so far get theirs.
+        # (``_grow``), the same blocks in the same order, without ``_reserve``'s checks each;
+        # before anything else reserves (and so may allocate, preempt or ask the pressure
+        # hook), the requests passed so far get theirs.
         # Victims of a preemption are popped from the end, which the iteration has not reached.
         grow: list[Request] = []
         room = None  # asked of the allocator when the first decode needs a block
         for req in running:
             computed = req.num_computed_tokens
             remaining = req.prompt_tokens + req.num_output_tokens - computed
-            if remaining == 1:
-                if computed < len(req.block_ids) * block_tokens:
-                    add_req(req)
-                    add_tokens(1)
-                    add_kv(computed + 1)
-                    budget -= 1
-                    if budget <= 0:
-                        break
-                    continue
-                if room is None:
+            if remaining == 1 and computed < len(req.block_ids) * block_tokens:
+                add_req(req)
+                add_tokens(1)
+                add_kv(computed + 1)
+                budget -= 1
+                if budget <= 0:
+                    break
+                continue
+            num_new = remaining if remaining <= budget else budget
+            if computed + num_new > len(req.block_ids) * block_tokens:
+                if remaining == 1 and room is None:
                     room = self.kv.num_growable_blocks()
-                if len(grow) < room:  # the first branch's appends again: that path checks no flag
+                if remaining == 1 and len(grow) < room:
                     grow.append(req)
                     if memo is not None:  # its promise lacks one block fewer (it is past its blocks)
                         memo -= 1
-                    add_req(req)
-                    add_tokens(1)
-                    add_kv(computed + 1)
-                    budget -= 1
-                    if budget <= 0:
-                        break
-                    continue
-            if grow:
-                self._grow(grow)
-                grow = []
-            num_new = remaining if remaining <= budget else budget
-            if computed + num_new > len(req.block_ids) * block_tokens:
-                held = len(req.block_ids)
-                preempted_self = False
-                while not self._reserve(req, num_new):
-                    victim = running[-1]  # newest first
-                    self._preempt(victim, batch, now_s)
-                    if victim is req:
-                        preempted_self = True
-                        break
-                if preempted_self:
-                    break  # nothing older is left to preempt
-                if memo is not None:  # its promise now lacks fewer blocks
-                    promise = self._promise(req)
-                    memo += max(0, promise - len(req.block_ids)) - max(0, promise - held)
-                room = None
+                else:
+                    if grow:
+                        self._grow(grow)
+                        grow = []
+                    held = len(req.block_ids)
+                    preempted_self = False
+                    while not self._reserve(req, num_new):
+                        victim = running[-1]  # newest first
+                        self._preempt(victim, batch, now_s)
+                        if victim is req:
+                            preempted_self = True
+                            break
+                    if preempted_self:
+                        break  # nothing older is left to preempt
+                    if memo is not None:  # its promise now lacks fewer blocks
+                        promise = self._promise(req)
+                        memo += max(0, promise - len(req.block_ids)) - max(0, promise - held)
+                    room = None
             if remaining == 1:
                 out_reqs.append(req)
                 out_tokens.append(1)
