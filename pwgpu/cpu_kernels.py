@@ -90,8 +90,13 @@ def paged_decode_sdpa(q, kv, layer: int, block_tables: torch.Tensor, context_len
     # Slots past the context hold whatever their page held before (an expert's weights, which
     # read as bf16 can be NaN or inf): masked scores and zero weights still carry a NaN through
     # the products, so those slots are zeroed first.
-    past = ~valid[:, :, None, None]
-    k, v = k.float().masked_fill_(past, 0.0), v.float().masked_fill_(past, 0.0)  # in place: one temporary each
+    # Only those slots are written (an index over the step's few padded slots): a masked fill
+    # broadcast over the whole [B, C, Hkv, D] context took 5x as long as gathering it.
+    past = (~valid).view(-1).nonzero().view(-1)
+    k, v = k.float(), v.float()
+    if len(past):
+        k.view(b * c, -1).index_fill_(0, past, 0.0)
+        v.view(b * c, -1).index_fill_(0, past, 0.0)
     out = F_.scaled_dot_product_attention(
         q.float()[:, :, None, :],
         k.transpose(1, 2),

@@ -5,6 +5,7 @@ engine keeps: bf16 experts in bf16, others in fp32), the SDPA paged decode again
 
 import pytest
 import torch
+import torch.nn.functional as F_
 
 from pwgpu.attention import PagedKvCache, paged_decode_ref
 from pwgpu.cpu_kernels import dense_expert, moe_ffn_grouped, paged_decode_sdpa
@@ -106,3 +107,27 @@ def test_sdpa_decode_in_bf16_keeps_fp32_softmax():
     got = paged_decode_sdpa(q, kv, 0, tables, ctx, 0.25)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, paged_decode_ref(q, kv, 0, tables, ctx, 0.25), rtol=1e-2, atol=1e-2)
+
+
+def test_sdpa_decode_zeroes_every_slot_past_each_context():
+    """Requests of different lengths in one batch: each one's last block has slots past its
+    context, and the shorter ones' tables are padded with block 0. All of those read NaN here
+    (a page that held weights); only the written tokens may reach each output."""
+    torch.manual_seed(3)
+    kv = make_cache(1, 0)
+    kv.view.fill_(float("nan"))
+    tables = torch.tensor([[5, 2, 0], [7, 0, 0], [1, 8, 3]])  # block 0 is padding only
+    ctx = [6, 3, 10]
+    ks, vs = [], []
+    for table, n in zip(tables.tolist(), ctx, strict=True):
+        k, v = torch.randn(n, 2, 16), torch.randn(n, 2, 16)
+        pos = torch.arange(n)
+        kv.write(1, torch.tensor(table)[pos // kv.block_tokens], pos % kv.block_tokens, k, v)
+        ks.append(k)
+        vs.append(v)
+    q = torch.randn(3, 4, 16)
+    got = paged_decode_sdpa(q, kv, 1, tables, torch.tensor(ctx), 0.25)
+    for i in range(3):
+        k, v = (x.repeat_interleave(2, 1).transpose(0, 1) for x in (ks[i], vs[i]))  # [Hq, C, D]
+        want = F_.scaled_dot_product_attention(q[i][:, None], k, v, scale=0.25)[:, 0]
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
