@@ -30,15 +30,28 @@ from pwgpu.kernels.reference import ACTIVATIONS
 
 # The dense expert copies of the CPU path: 16-bit experts in their own format, which fp32 holds
 # exactly (upcast per use, into the cache: cheaper than reading twice the bytes from memory, as
-# an fp32 copy of the default model's experts, larger than the L3 cache, made every step do);
-# every other precision dequantised to fp32, the dtype the matmuls run in.
+# an fp32 copy of the default model's experts, larger than the L3 cache, made every step do).
 DENSE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def dense_expert(experts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_dtype(precision: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of an expert's dense copy on the CPU path. 16-bit experts: their own. Others
+    (FP8, INT8, INT4): what the GPU kernel multiplies by, ``w.to(a.dtype)`` after dequantising in
+    fp32 (``kernels.tile_io``): the activations' dtype in a 16-bit run, fp32 in an fp32 run. So
+    a downgrade reads fewer bytes per step here too; fp32 copies of downgraded experts had
+    read twice a 16-bit expert's bytes, and a run that downgraded most experts no longer fit
+    the last-level cache (its steps took twice the latency table's time)."""
+    own = DENSE_DTYPES.get(precision)
+    if own is not None:
+        return own
+    return compute_dtype if compute_dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def dense_expert(experts, e: int, compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert ``e`` of a ``kernels.paging.PagedExperts`` layer, dequantised from its pages as
-    ``moe_ffn_grouped`` takes it: (w1 over w3 [2F, H], w2 [H, F])."""
-    dtype = DENSE_DTYPES.get(experts.precisions[e], torch.float32)
+    ``moe_ffn_grouped`` takes it for activations in ``compute_dtype``: (w1 over w3 [2F, H],
+    w2 [H, F]) in ``dense_dtype``."""
+    dtype = dense_dtype(experts.precisions[e], compute_dtype)
     w1, w3, w2 = (experts.dequantize_matrix(e, j, dtype) for j in range(3))
     return torch.cat([w1, w3]), w2
 
@@ -53,7 +66,7 @@ def moe_ffn_grouped(
     activation: str = "silu",
 ) -> torch.Tensor:
     """x [T, H], topk_ids / topk_weights [T, k], per expert e w13[e] [2F, H] (w1 over w3) and
-    w2[e] [H, F] (fp32, or a 16-bit dtype upcast exactly to fp32 per use), ``counts[e]``: pairs
+    w2[e] [H, F] (fp32, or a 16-bit dtype upcast exactly to fp32 per use: ``dense_expert``), ``counts[e]``: pairs
     routed to expert e -> y [T, H] in x.dtype. Experts with no pairs are never read (they may
     be None or stale)."""
     act_fn = ACTIVATIONS[activation]

@@ -23,7 +23,7 @@ from pagedweight.config.kernel_table import KEY_COLUMNS, OP_GROUPS
 from pagedweight.core.spec import PRECISION_NAMES, ModelSpec
 from pagedweight.errors import ConfigError
 from pwgpu.attention import PagedKvCache, build_batch, paged_attention
-from pwgpu.cpu_kernels import DENSE_DTYPES
+from pwgpu.cpu_kernels import dense_dtype
 from pwgpu.host_allocator import keep_host_temporaries
 from pwgpu.kernels.paging import PagedExperts
 from pwgpu.loader import DTYPES, default_dtype_name
@@ -228,7 +228,7 @@ class Profiler:
             if not on_gpu:
                 # The CPU engine dequantises an expert once per precision change and then runs
                 # dense matmuls (pwgpu/weights.py): time that, not a dequantisation per call.
-                dense = list(zip(*(dense_expert(experts, i) for i in range(num)), strict=True))  # (w13s, w2s)
+                dense = list(zip(*(dense_expert(experts, i, self.dtype) for i in range(num)), strict=True))
             for e in es:
                 # The first e experts as a layer of their own: the kernel sizes blocks by m.
                 sub = PagedExperts(experts.pool, experts.page_offsets, experts.first_page[:e], (prec,) * e, h, f,
@@ -364,7 +364,7 @@ class Profiler:
     def dequantize(self) -> None:
         """The CPU engine's dequantisation of one expert matrix from its pages into the dense
         copy its MoE path multiplies by (``pwgpu.weights.WeightStore.moe_ffn``; 16-bit experts
-        stay 16-bit, the rest become fp32: ``pwgpu.cpu_kernels.DENSE_DTYPES``). A GPU's
+        stay 16-bit, the rest take the activations' dtype: ``pwgpu.cpu_kernels.dense_dtype``). A GPU's
         MoE kernel reads the packed pages itself: nothing to time there."""
         if self.device.type == "cuda":
             return
@@ -375,7 +375,7 @@ class Profiler:
                     # One expert whose first matrix is [n, k] (w1, w3 [n, k]; w2 [k, n]).
                     w = self._randn(n, k, scale=0.02, dtype=self.master_dtype)
                     experts = PagedExperts.from_dense([w], [w], [w.T.contiguous()], [prec], scatter_seed=0)
-                    dtype = DENSE_DTYPES.get(prec, torch.float32)
+                    dtype = dense_dtype(prec, self.dtype)
                     fn = lambda x=experts, d=dtype: x.dequantize_matrix(0, 0, d)  # noqa: E731
                     self._record("dequantize", fn, precision=prec, n=n, k=k)
 

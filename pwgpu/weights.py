@@ -225,7 +225,7 @@ class WeightStore:
         for e, n in enumerate(counts):
             pages = pt.pages[moe_layer * e_num + e]
             if n and (dense[e] is None or dense[e][0] is not pages):
-                dense[e] = (pages, *dense_expert(experts, e))
+                dense[e] = (pages, *dense_expert(experts, e, x.dtype))
         w13 = [None if d is None else d[1] for d in dense]
         w2 = [None if d is None else d[2] for d in dense]
         return moe_ffn_grouped(x, topk_ids, topk_w, w13, w2, counts, self.activation)

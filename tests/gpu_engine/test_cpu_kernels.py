@@ -65,6 +65,31 @@ def test_dense_experts_from_pages_give_the_reference(precision):
     assert torch.equal(moe_ffn_grouped(x, ids, w, w13, w2, counts), moe_ffn_dense_ref(x, ids, w, *ref))
 
 
+
+@pytest.mark.parametrize("precision", ["fp8", "int8", "int4"])
+def test_quantised_experts_in_a_bf16_run_are_copied_as_the_gpu_kernel_multiplies_them(precision):
+    """In a bf16 run an FP8/INT8/INT4 expert's dense copy is its fp32 dequantisation rounded
+    once to bf16, the ``w.to(a.dtype)`` of the GPU kernel: half an fp32 copy's bytes, the same
+    rounding, and with bf16 activations the same products (upcast exactly to fp32 per use)."""
+    torch.manual_seed(5)
+    e, h, f = 4, 64, 128
+    mats = [list(torch.randn(e, *shape).bfloat16()) for shape in ((f, h), (f, h), (h, f))]
+    experts = PagedExperts.from_dense(*mats, [precision] * e, page_bytes=1 << 12, scatter_seed=1)
+    w13, w2 = zip(*(dense_expert(experts, i, torch.bfloat16) for i in range(e)), strict=True)
+    assert w13[0].dtype == w2[0].dtype == torch.bfloat16
+    fp32 = [[experts.dequantize_matrix(i, j, torch.float32) for i in range(e)] for j in range(3)]
+    assert torch.equal(w2[1], fp32[2][1].bfloat16())
+    assert torch.equal(w13[2], torch.cat([fp32[0][2], fp32[1][2]]).bfloat16())
+    x = torch.randn(5, h).bfloat16()
+    ids, w = routed(5, e, 2, seed=6)
+    counts = torch.bincount(ids.reshape(-1), minlength=e).tolist()
+    rounded = [[m.bfloat16().float() for m in mat] for mat in fp32]
+    got = moe_ffn_grouped(x, ids, w.bfloat16(), w13, w2, counts)
+    torch.testing.assert_close(got, moe_ffn_dense_ref(x, ids, w.bfloat16(), *rounded), rtol=0, atol=0)
+    # an fp32 run keeps fp32 copies: exact dequantisation
+    assert dense_expert(experts, 0, torch.float32)[1].dtype == torch.float32
+
+
 def make_cache(blocks_per_page, slack_bytes, dtype=torch.float32, num_pages=10):
     layers, kv_heads, head_dim, block_tokens = 2, 2, 16, 4
     elem = torch.tensor([], dtype=dtype).element_size()
