@@ -36,7 +36,8 @@ NOTES = (
     "every timed sample starts with the caches flushed (meta 'flush_bytes' written just before; 0 on "
     "a CPU, where a step's ops find their data in the last-level cache)",
     "moe_ffn: e experts of one precision, each routed exactly m tokens (top-1 routing: the top-k sum, "
-    "one elementwise pass, is not timed)",
+    "one elementwise pass, is not timed); on a CPU, precisions whose dense copies share a dtype share "
+    "one timing (the same matmuls)",
     "attn_prefill: the engine's paged attention for one chunk of m new tokens whose context after the "
     "chunk is max(kv_len, m) tokens, K/V written into scattered KV blocks first; attn_decode: the "
     "engine's batched paged decode for batch requests of kv_len tokens each (MLA specs: the latent "
@@ -46,7 +47,7 @@ NOTES = (
     "residual adds (MLA: the attention parameters as one matrix)",
     "lm_head: final RMSNorm, LM head and greedy sampling for m sequences",
     "quantize: one master [n, k] matrix into a standalone packed blob",
-    "dequantize (CPU only): one [n, k] matrix read from its pages into the fp32 copy the CPU engine "
+    "dequantize (CPU only): one [n, k] matrix read from its pages into the dense copy the CPU engine "
     "keeps per expert; it runs again on an expert's first use after each precision change (GPU kernels "
     "dequantise inside the MoE call: no rows)",
     "meta 'upgrades': synchronous on a CPU (no copy stream: an upgrade is written inside the step that "
@@ -221,7 +222,17 @@ class Profiler:
             from pwgpu.kernels.moe_gemm import fused_moe as run_moe
         else:
             from pwgpu.cpu_kernels import dense_expert, moe_ffn_grouped
+        timed: dict[torch.dtype, str] = {}  # CPU: dense copy dtype -> the precision timed with it
         for prec in self.precisions:
+            if not on_gpu:
+                # The CPU path multiplies by dense copies (``cpu_kernels.dense_dtype``): precisions
+                # whose copies share a dtype run the very same matmuls, so they share one timing
+                # too, rather than differ by the machine's drift between two timings of it.
+                same = timed.setdefault(dense_dtype(prec, self.dtype), prec)
+                if same != prec:
+                    rows = [r for r in self.rows if r["op"] == "moe_ffn" and r["precision"] == same]
+                    self.rows.extend(dict(r, precision=prec) for r in rows)
+                    continue
             experts = PagedExperts.from_dense(
                 w1, w3, w2, [prec] * num, quantizer="triton" if on_gpu else "reference", scatter_seed=0
             )

@@ -81,6 +81,7 @@ def compare(real_dir: str | Path, sim_dir: str | Path, bounds: dict[str, float] 
         "bounds_perc": bounds,
         "policies": {},
     }
+    num_runs = len(real.get("pooled_runs", ())) or 1
     for policy, r in real["policies"].items():
         s = sim["policies"].get(policy)
         if s is None or "error" in r or "error" in s:
@@ -98,12 +99,16 @@ def compare(real_dir: str | Path, sim_dir: str | Path, bounds: dict[str, float] 
                     "ok": None if bound is None else bool(abs(err) <= bound),
                 }
         entry = {"metrics": rows}
+        if "real_runs" in r:  # pooled repeats (pagedweight.results.pooled): their own spread
+            entry["real_runs"] = r["real_runs"]
         if real_steps is not None and sim_steps is not None:
             rs, ss = real_steps[real_steps["policy"] == policy], sim_steps[sim_steps["policy"] == policy]
             if len(rs) and len(ss):
-                end_s = float(min(rs["start_s"].max(), ss["start_s"].max()))
+                # Over time, one real run against the simulated one: the first of pooled repeats.
+                first = rs[rs["run"] == 1] if "run" in rs else rs
+                end_s = float(min(first["start_s"].max(), ss["start_s"].max()))
                 grid = np.linspace(0.0, end_s, 200)
-                wr = _weight_bytes_over_time(rs, real["page_bytes"], grid)
+                wr = _weight_bytes_over_time(first, real["page_bytes"], grid)
                 ws = _weight_bytes_over_time(ss, sim["page_bytes"], grid)
                 entry["weight_bytes_mean_abs_error_perc"] = {
                     p: float(np.mean(np.abs(ws.get(p, 0 * grid) - wr[p])) / max(np.mean(wr[p]), 1.0) * 100) for p in wr
@@ -120,7 +125,7 @@ def compare(real_dir: str | Path, sim_dir: str | Path, bounds: dict[str, float] 
             rt = real_tr[(real_tr["policy"] == policy) & (real_tr["kind"] != "abort")]
             st = sim_tr[(sim_tr["policy"] == policy) & (sim_tr["kind"] != "abort")]
             entry["transitions"] = {
-                "real": len(rt),
+                "real": len(rt) / num_runs,  # per run
                 "sim": len(st),
                 "first_real_s": float(rt["time_s"].min()) if len(rt) else None,
                 "first_sim_s": float(st["time_s"].min()) if len(st) else None,
@@ -249,6 +254,15 @@ def format_validation(v: dict) -> str:
             flag = "" if row["ok"] is None else ("  ok" if row["ok"] else f"  OUT OF +-{row['bound_perc']:g}%")
             lines.append(
                 f"    {m:26s} real {row['real']:12.4g}  sim {row['sim']:12.4g}  {row['error_perc']:+8.1f}%{flag}"
+            )
+        rates = [x for x in e.get("real_runs", {}).get("output_throughput", ()) if x]
+        if rates:
+            runs = e["real_runs"]
+            lines.append(
+                f"    real runs ({len(rates)}), pooled above: output tok/s "
+                + ", ".join(f"{x:.4g}" for x in rates)
+                + f" (fastest / slowest {max(rates) / min(rates):.2f}x); median TTFT ms "
+                + ", ".join(f"{x:.4g}" for x in runs["median_ttft_ms"])
             )
         if cal and policy in cal.get("uncalibrated_errors_perc", {}):
             before = cal["uncalibrated_errors_perc"][policy]

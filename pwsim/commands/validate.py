@@ -2,6 +2,7 @@
 
     pwsim validate --real DIR --sim DIR [--out DIR | --out FILE.json] [--check]
     pwsim validate SCENARIO [--policy NAME ...] [--out-dir DIR] [--check] [--calibrate [POLICIES]] [--profile]
+                   [--repeats N]
                    [--threads N]
 
 The second form runs both: the simulator here, and the real engine through the ``pwgpu run``
@@ -61,6 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "cores shared with other jobs 1 keeps each op from waiting on a descheduled thread",
     )
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with SCENARIO: run the real engine N times, the policies in alternating order, and compare "
+        "the runs pooled (their own spread is reported beside the errors); default 1",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="with SCENARIO: first measure its latency table here (pwgpu profile --scenario) and time the "
@@ -87,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         if args.calibrate:
             calibration, sim_dir = _calibrate(args, real_dir, sim_dir)
     else:
+        if getattr(args, "repeats", 1) != 1:
+            raise PagedWeightError("--repeats runs the engine: give SCENARIO, not --real/--sim")
         if not (args.real and args.sim):
             raise PagedWeightError("give SCENARIO, or both --real DIR and --sim DIR")
         if args.calibrate or args.profile:
@@ -141,6 +152,8 @@ def _run_both(args: argparse.Namespace) -> tuple[Path, Path]:
     from pagedweight.config.scenario import load_scenario
     from pwsim.run import run_scenario
 
+    if getattr(args, "repeats", 1) < 1:  # before minutes of profiling
+        raise PagedWeightError(f"--repeats {args.repeats}: must be at least 1")
     loaded = load_scenario(args.scenario, require_latency_table=not args.profile)
     env = None
     if getattr(args, "threads", None) is not None:
@@ -167,13 +180,28 @@ def _run_both(args: argparse.Namespace) -> tuple[Path, Path]:
             raise PagedWeightError(f"profiling failed: {' '.join(cmd)}")
         args.overrides = [f"latency.path={table}"]
         loaded = load_scenario(args.scenario, args.overrides)
-    cmd = [sys.executable, "-m", "pwgpu.cli", "run", "--scenario", str(args.scenario), "--out", str(real_dir)]
-    if args.policy:
-        cmd += ["--policies", ",".join(args.policy)]
-    if subprocess.run(cmd, env=env).returncode != 0:
-        raise PagedWeightError(f"the real run failed: {' '.join(cmd)}")
+    _run_real(args, loaded, real_dir, env)
     run_scenario(loaded, sim_dir, policies=args.policy, progress=False, report=False)
     return real_dir, sim_dir
+
+
+def _run_real(args: argparse.Namespace, loaded, real_dir: Path, env: dict | None) -> None:
+    """The real engine on the scenario into ``real_dir``; with ``--repeats N``, N runs (the
+    policies' order reversed every other run, so that each policy runs first as often as
+    second) pooled into ``real_dir`` (``pagedweight.results.pooled``)."""
+    repeats = getattr(args, "repeats", 1)
+    policies = list(args.policy or loaded.scenario.policies)
+    runs = [real_dir] if repeats == 1 else [real_dir.with_name("real-runs") / f"run-{i + 1}" for i in range(repeats)]
+    for i, out in enumerate(runs):
+        order = policies if i % 2 == 0 else policies[::-1]
+        cmd = [sys.executable, "-m", "pwgpu.cli", "run", "--scenario", str(args.scenario), "--out", str(out)]
+        cmd += ["--policies", ",".join(order)]
+        if subprocess.run(cmd, env=env).returncode != 0:
+            raise PagedWeightError(f"the real run failed: {' '.join(cmd)}")
+    if repeats > 1:
+        from pagedweight.results.pooled import pool_runs
+
+        pool_runs(runs, real_dir)
 
 
 CALIBRATION_TOLERANCE = 0.01  # stop when the mean step-time gap is under 1% of a real step

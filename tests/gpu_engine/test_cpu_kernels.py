@@ -65,7 +65,6 @@ def test_dense_experts_from_pages_give_the_reference(precision):
     assert torch.equal(moe_ffn_grouped(x, ids, w, w13, w2, counts), moe_ffn_dense_ref(x, ids, w, *ref))
 
 
-
 @pytest.mark.parametrize("precision", ["fp8", "int8", "int4"])
 def test_quantised_experts_in_a_bf16_run_are_copied_as_the_gpu_kernel_multiplies_them(precision):
     """In a bf16 run an FP8/INT8/INT4 expert's dense copy is its fp32 dequantisation rounded
