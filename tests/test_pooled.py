@@ -36,14 +36,12 @@ def test_pooled_figures_are_those_of_all_runs_together(runs):
     assert sorted(requests["run"].unique()) == [1, 2, 3]
     for policy, p in pooled["policies"].items():
         runs_ = [s["policies"][policy] for s in summaries]
-        duration = sum(r["duration_s"] for r in runs_)
-        assert p["duration_s"] == pytest.approx(duration)
-        assert p["output_throughput"] == pytest.approx(sum(r["total_output_tokens"] for r in runs_) / duration)
+        assert len({r["output_throughput"] for r in runs_}) == 3  # the seeds make three different runs
+        # Totals summed; every other figure the median of the runs' own (the typical run).
+        assert p["duration_s"] == pytest.approx(sum(r["duration_s"] for r in runs_))
         assert p["completed"] == sum(r["completed"] for r in runs_)
-        assert p["num_downgrades"] == pytest.approx(np.mean([r["num_downgrades"] for r in runs_]))
-        done = requests[(requests["policy"] == policy) & (requests["state"] == "finished")]
-        assert p["median_ttft_ms"] == pytest.approx(float(np.median(done["ttft_ms"])))
-        assert p["p99_tpot_ms"] == pytest.approx(float(np.nanpercentile(done["tpot_ms"], 99)))
+        for key in ("output_throughput", "median_ttft_ms", "p99_tpot_ms", "num_downgrades", "mean_kv_cache_usage_perc"):
+            assert p[key] == pytest.approx(float(np.median([r[key] for r in runs_]))), key
         assert p["real_runs"]["output_throughput"] == [r["output_throughput"] for r in runs_]
         # Each run starts where the same policy's previous run ended: the pooled clock runs on.
         mine = requests[requests["policy"] == policy]

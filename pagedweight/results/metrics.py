@@ -102,8 +102,7 @@ def request_table(requests: list[Request], columns: RequestColumns | None = None
     )
 
 
-def latency_stats(name: str, values: np.ndarray, out: dict) -> None:
-    """``mean_/std_/<percentile>_{name}_ms`` of ``values`` (NaN dropped) into ``out``."""
+def _stats(name: str, values: np.ndarray, out: dict) -> None:
     missing = np.isnan(values)
     if missing.any():  # a copy only when there is something to drop (the ITL of an hour: 4M values)
         values = values[~missing]
@@ -257,7 +256,7 @@ def summarize_columns(
         "num_preemptions": int(cols.num_preemptions.sum()),
     }
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl_ms), ("e2el", e2el)):
-        latency_stats(name, values, out)
+        _stats(name, values, out)
     if steps is not None and len(steps["kv_usage"]):
         out["mean_kv_cache_usage_perc"] = float(steps["kv_usage"].mean() * 100)
         out["max_kv_cache_usage_perc"] = float(steps["kv_usage"].max() * 100)

@@ -8,14 +8,14 @@ every error. Repeating the real run and pooling the repeats averages it, and the
 repeats says how far the real runs disagree with each other: no model can be checked more
 tightly than that.
 
-Pooled per policy, against which one simulated run is compared:
-
-- throughputs: the completed requests and tokens of every run over their summed durations;
-- TTFT, TPOT and E2E latency: mean, deviation and percentiles over every run's requests;
-- counts (preemptions, downgrades, upgrades): the mean per run;
-- mean KV usage: the runs' means weighted by their durations; inter-token latency: the mean of
-  the runs' figures (the gaps themselves are not in the tables);
-- ``real_runs``: each run's own output throughput, median TTFT and mean TPOT, in run order.
+Pooled per policy, against which one simulated run is compared: totals (requests, tokens,
+duration, steps) summed over the runs; every other figure (throughputs, latency means and
+percentiles, counts, KV usage) the median over the runs of each run's own figure: the typical
+run. A percentile over the requests of all runs together would mix the machine's fast and slow
+spells into a tail that no single run has: in five validations of four runs each, the
+simulation of static-fp16 (fitted in sample) came 10-27% short of its P99 TTFT pooled that way,
+and within 11% of the median of the runs' own. ``real_runs`` keeps each
+run's output throughput, median TTFT and mean TPOT, in run order.
 
 Tables: requests, steps and transitions of the runs one after another, each run's times moved
 to start where the previous run of the same policy ended, with a ``run`` column (1, 2, ...).
@@ -30,7 +30,6 @@ import numpy as np
 import pandas as pd
 
 from pagedweight.errors import PagedWeightError
-from pagedweight.results.metrics import latency_stats
 from pagedweight.results.report_data import read_summary
 from pagedweight.results.writer import atomic_write_csv, atomic_write_text
 
@@ -40,7 +39,11 @@ TIME_COLUMNS = {
     "steps.csv": ("start_s",),
     "transitions.csv": ("time_s",),
 }
-COUNTS = ("num_preemptions", "num_downgrades", "num_upgrades")
+# Totals over the runs; any other number in a run's summary is pooled as the runs' median.
+SUMMED = (
+    "num_requests", "completed", "rejected", "unfinished", "duration_s", "total_input_tokens",
+    "total_output_tokens", "prefill_tokens_computed", "num_steps", "wall_s",
+)  # fmt: skip
 RUN_FIGURES = ("output_throughput", "median_ttft_ms", "mean_tpot_ms")
 
 
@@ -68,15 +71,13 @@ def pool_runs(run_dirs: list[Path], out_dir: Path) -> dict:
     for extra in ("initial_precisions.csv", "scenario.resolved.yaml"):
         if (run_dirs[0] / extra).is_file():
             atomic_write_text(out_dir / extra, (run_dirs[0] / extra).read_text())
-    requests = pd.read_csv(out_dir / "requests.csv") if (out_dir / "requests.csv").is_file() else None
     pooled = {**first, "pooled_runs": [str(d) for d in run_dirs], "policies": {}}
     for policy, entry in first["policies"].items():
         runs = [s["policies"][policy] for s in summaries]
         if any("error" in r for r in runs):
             pooled["policies"][policy] = next(r for r in runs if "error" in r)
             continue
-        mine = None if requests is None else requests[requests["policy"] == policy]
-        pooled["policies"][policy] = _pool_policy(entry, runs, mine)
+        pooled["policies"][policy] = _pool_policy(entry, runs)
     atomic_write_text(out_dir / "summary.json", json.dumps(pooled, indent=2, default=float) + "\n")
     return pooled
 
@@ -113,29 +114,16 @@ def _shift(df: pd.DataFrame, name: str, offset: dict[str, float], run: int) -> p
     return df
 
 
-def _pool_policy(first: dict, runs: list[dict], requests: pd.DataFrame | None) -> dict:
+def _pool_policy(first: dict, runs: list[dict]) -> dict:
     out = dict(first)
-    duration = sum(r["duration_s"] for r in runs)
-    out["duration_s"] = duration
-    for key in ("num_requests", "completed", "rejected", "unfinished", "total_input_tokens", "total_output_tokens"):
-        out[key] = sum(r[key] for r in runs)
-    out["request_throughput"] = out["completed"] / duration
-    out["output_throughput"] = out["total_output_tokens"] / duration
-    out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) / duration
-    if "request_goodput" in first:
-        out["request_goodput"] = sum(r["request_goodput"] * r["duration_s"] for r in runs) / duration
-    for key in COUNTS:
-        if key in first:
-            out[key] = float(np.mean([r[key] for r in runs]))
-    if "mean_kv_cache_usage_perc" in first:
-        out["mean_kv_cache_usage_perc"] = sum(r["mean_kv_cache_usage_perc"] * r["duration_s"] for r in runs) / duration
-    if "max_kv_cache_usage_perc" in first:
-        out["max_kv_cache_usage_perc"] = max(r["max_kv_cache_usage_perc"] for r in runs)
-    for key in [k for k in first if k.endswith("_itl_ms")]:
-        out[key] = float(np.mean([r[key] for r in runs]))
-    if requests is not None and len(requests):
-        done = requests[requests["state"] == "finished"]
-        for name in ("ttft", "tpot", "e2el"):
-            latency_stats(name, done[f"{name}_ms"].to_numpy(dtype=np.float64, copy=True), out)
+    for key in first:
+        values = [r.get(key) for r in runs]
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            continue  # text, lists and mappings: the first run's
+        if key in SUMMED:
+            out[key] = sum(values)
+        else:
+            finite = [float(v) for v in values if np.isfinite(v)]
+            out[key] = float(np.median(finite)) if finite else float("nan")
     out["real_runs"] = {key: [r.get(key) for r in runs] for key in RUN_FIGURES}
     return out
