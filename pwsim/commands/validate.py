@@ -2,8 +2,7 @@
 
     pwsim validate --real DIR --sim DIR [--out DIR | --out FILE.json] [--check]
     pwsim validate SCENARIO [--policy NAME ...] [--out-dir DIR] [--check] [--calibrate [POLICIES]] [--profile]
-                   [--repeats N]
-                   [--threads N]
+                   [--threads N] [--repeats N]
 
 The second form runs both: the simulator here, and the real engine through the ``pwgpu run``
 command (a separate process: the simulator never imports the engine; they meet through files).
@@ -17,6 +16,9 @@ runs). Where even no overhead leaves the simulated steps slower (the machine ran
 when a table was profiled), the table's times are scaled down instead. Fit on one policy
 (``--calibrate static-fp16``) and the errors of the others are out of sample; fitted on all,
 every error is in sample. The uncalibrated errors stay in the output beside the calibrated ones.
+
+``--repeats N`` runs the engine N times (the policies' order reversed every other run) and
+compares the typical run (``pagedweight.results.pooled``), printing each run's own figures.
 """
 
 from __future__ import annotations
