@@ -66,9 +66,9 @@ def moe_ffn_grouped(
     activation: str = "silu",
 ) -> torch.Tensor:
     """x [T, H], topk_ids / topk_weights [T, k], per expert e w13[e] [2F, H] (w1 over w3) and
-    w2[e] [H, F] (fp32, or a 16-bit dtype upcast exactly to fp32 per use: ``dense_expert``), ``counts[e]``: pairs
-    routed to expert e -> y [T, H] in x.dtype. Experts with no pairs are never read (they may
-    be None or stale)."""
+    w2[e] [H, F] (``dense_expert``'s: fp32, or a 16-bit dtype upcast exactly to fp32 per use),
+    ``counts[e]``: pairs routed to expert e -> y [T, H] in x.dtype. Experts with no pairs are
+    never read (they may be None or stale)."""
     act_fn = ACTIVATIONS[activation]
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)

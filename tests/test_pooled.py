@@ -60,7 +60,7 @@ def test_a_pooled_run_compares_with_one_simulated_run(runs):
         # Transitions per run, as one simulated run makes them.
         assert e["transitions"]["real"] == pytest.approx(np.mean([len(_transitions(d, policy)) for d in dirs]))
     text = format_validation(v)
-    assert "real runs (3), pooled above: output tok/s" in text and "fastest / slowest" in text
+    assert "real runs (3), their medians above: output tok/s" in text and "fastest / slowest" in text
 
 
 def _transitions(d: Path, policy: str) -> pd.DataFrame:

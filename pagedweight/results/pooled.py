@@ -14,8 +14,8 @@ percentiles, counts, KV usage) the median over the runs of each run's own figure
 run. A percentile over the requests of all runs together would mix the machine's fast and slow
 spells into a tail that no single run has: in five validations of four runs each, the
 simulation of static-fp16 (fitted in sample) came 10-27% short of its P99 TTFT pooled that way,
-and within 11% of the median of the runs' own. ``real_runs`` keeps each
-run's output throughput, median TTFT and mean TPOT, in run order.
+and within 11% of the median of the runs' own. ``real_runs`` keeps each run's output
+throughput, median TTFT and mean TPOT, in run order.
 
 Tables: requests, steps and transitions of the runs one after another, each run's times moved
 to start where the previous run of the same policy ended, with a ``run`` column (1, 2, ...).
@@ -62,7 +62,7 @@ def pool_runs(run_dirs: list[Path], out_dir: Path) -> dict:
                 "the same scenario and policies pool"
             )
     tables = {name: [_read(d / name) for d in run_dirs] for name in TIME_COLUMNS}
-    offsets = _offsets(run_dirs, summaries, tables)
+    offsets = _offsets(summaries, tables)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, frames in tables.items():
         shifted = [_shift(df, name, offsets[i], i + 1) for i, df in enumerate(frames) if df is not None]
@@ -86,11 +86,11 @@ def _read(path: Path) -> pd.DataFrame | None:
     return pd.read_csv(path) if path.is_file() and path.stat().st_size > 0 else None
 
 
-def _offsets(run_dirs: list[Path], summaries: list[dict], tables: dict) -> list[dict[str, float]]:
+def _offsets(summaries: list[dict], tables: dict) -> list[dict[str, float]]:
     """Per run, per policy: where its times start in the pooled tables (the end of that policy's
     previous runs: its last finish or step end, whichever is later)."""
     offsets, at = [], dict.fromkeys(summaries[0]["policies"], 0.0)
-    for i in range(len(run_dirs)):
+    for i in range(len(summaries)):
         offsets.append(dict(at))
         for policy in at:
             end = 0.0

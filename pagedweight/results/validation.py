@@ -259,7 +259,7 @@ def format_validation(v: dict) -> str:
         if rates:
             runs = e["real_runs"]
             lines.append(
-                f"    real runs ({len(rates)}), pooled above: output tok/s "
+                f"    real runs ({len(rates)}), their medians above: output tok/s "
                 + ", ".join(f"{x:.4g}" for x in rates)
                 + f" (fastest / slowest {max(rates) / min(rates):.2f}x); median TTFT ms "
                 + ", ".join(f"{x:.4g}" for x in runs["median_ttft_ms"])

@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="with SCENARIO: run the real engine N times, the policies in alternating order, and compare "
-        "the runs pooled (their own spread is reported beside the errors); default 1",
+        "the simulation with the typical run (the medians of the runs' figures; each run's own printed beside "
+        "the errors); default 1",
     )
     p.add_argument(
         "--profile",
