@@ -35,6 +35,8 @@ NOTES = (
     "activations and KV in meta 'dtype': the engine's default on the device, or bf16 for a scenario run",
     "every timed sample starts with the caches flushed (meta 'flush_bytes' written just before; 0 on "
     "a CPU, where a step's ops find their data in the last-level cache)",
+    "on a CPU the rows of an op group (of one precision, for moe_ffn) are timed in rounds, one sample "
+    "of every row per round, so that the machine's drift spreads over all of them",
     "moe_ffn: e experts of one precision, each routed exactly m tokens (top-1 routing: the top-k sum, "
     "one elementwise pass, is not timed); on a CPU, precisions whose dense copies share a dtype share "
     "one timing (the same matmuls)",
@@ -197,16 +199,44 @@ class Profiler:
         self.master_dtype = torch.bfloat16  # the host masters experts are quantised from
         self.rows: list[dict] = []
         self.gen = torch.Generator(device=device).manual_seed(0)
+        # A CPU's speed drifts by tens of percent over seconds (a shared VM's neighbours, its
+        # clock): timed one after another, two rows of a table differed by the drift between
+        # them (the same matmuls by up to 2x; a row moved +-30-70% from one profile to the
+        # next beyond the machine's overall speed). On a CPU the rows of an op group are
+        # therefore timed in rounds, one sample of every row per round (``drain``): each
+        # row's median spans the whole group. A GPU times each row at once (its clock holds).
+        self._pending: list[tuple[dict, Callable[[], object]]] | None = [] if device.type == "cpu" else None
 
     def _randn(self, *shape: int, scale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen, device=self.device, dtype=dtype or self.dtype) * scale
 
     def _record(self, op: str, fn: Callable[[], object], precision: str = "-", **keys: int) -> None:
+        row = dict(model=self.model.name, op=op, precision=precision, **keys)
+        if self._pending is not None:
+            self._pending.append((row, fn))
+            return
         p50, p20, p80 = time_us(fn, self.device, self.grid.samples, self.grid.warmup)
-        self.rows.append(
-            dict(model=self.model.name, op=op, precision=precision, **keys, latency_us_p50=p50, latency_us_p20=p20,
-                 latency_us_p80=p80, samples=self.grid.samples)
-        )  # fmt: skip
+        samples = self.grid.samples
+        self.rows.append(dict(row, latency_us_p50=p50, latency_us_p20=p20, latency_us_p80=p80, samples=samples))
+
+    def drain(self) -> None:
+        """Time the rows recorded since the last drain in rounds (CPU; see ``__init__``)."""
+        pending, self._pending = self._pending, [] if self._pending is not None else None
+        if not pending:
+            return
+        for _ in range(self.grid.warmup):
+            for _, fn in pending:
+                fn()
+        times = [[] for _ in pending]
+        for _ in range(self.grid.samples):
+            for (_, fn), mine in zip(pending, times, strict=True):
+                _flush(self.device, None)
+                t0 = time.perf_counter()
+                fn()
+                mine.append((time.perf_counter() - t0) * 1e6)
+        for (row, _), mine in zip(pending, times, strict=True):
+            p20, p50, p80 = (float(x) for x in np.percentile(mine, [20, 50, 80]))
+            self.rows.append(dict(row, latency_us_p50=p50, latency_us_p20=p20, latency_us_p80=p80, samples=len(mine)))
 
     # ---- ops ------------------------------------------------------------------------------
     def moe_ffn(self) -> None:
@@ -253,6 +283,7 @@ class Profiler:
                     else:
                         fn = lambda x=x, ids=ids, w=weights, c=[m] * e, d=dense: moe_ffn_grouped(x, ids, w, *d, c)  # noqa: E731
                     self._record("moe_ffn", fn, precision=prec, m=m, e=e, n=f, k=h)
+            self.drain()  # this precision's copies go with ``experts``
             del experts
         if on_gpu:
             torch.cuda.empty_cache()
@@ -395,6 +426,7 @@ class Profiler:
             src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
             dst = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
             self._record("h2d_copy", lambda s=src, d=dst: d.copy_(s, non_blocking=True), bytes=num_bytes)
+            self.drain()  # one buffer pair at a time (up to 1 GiB each)
 
 
 def _kv_cache(num_blocks: int, num_layers: int, kv_heads: int, head_dim: int, block_tokens: int,
@@ -439,6 +471,7 @@ def profile(
                      "h2d_copy": prof.h2d_copy}  # fmt: skip
             for op in ops:
                 steps[op]()
+                prof.drain()
                 if on_progress is not None:
                     on_progress(_frame(rows + prof.rows), {**_meta(dev, grid, models, dtype), "complete": False})
             rows += prof.rows

@@ -231,3 +231,26 @@ def test_bad_ep_is_a_one_line_error_before_anything_is_timed(tmp_path, capsys, a
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and all(w in err for w in words), err
     assert not out.exists()
+
+
+def test_cpu_rows_of_a_group_are_timed_in_rounds():
+    """On a CPU each round takes one sample of every pending row, so that every row's median
+    spans the whole group (the machine's drift does not land on one row); a GPU times each
+    row at once."""
+    import torch
+
+    from pwgpu.profile import GRIDS, Profiler
+
+    grid = GRIDS["small"]
+    calls: list[str] = []
+    prof = Profiler(load_model("tiny-moe"), grid, torch.device("cpu"), ("bf16",), torch.float32)
+    prof._record("dense", lambda: calls.append("a"), m=1)
+    prof._record("dense", lambda: calls.append("b"), m=2)
+    assert calls == [] and prof.rows == []  # nothing timed before the drain
+    prof.drain()
+    rounds = grid.warmup + grid.samples
+    assert calls == ["a", "b"] * rounds
+    assert [r["m"] for r in prof.rows] == [1, 2] and all(r["samples"] == grid.samples for r in prof.rows)
+    assert all(r["latency_us_p20"] <= r["latency_us_p50"] <= r["latency_us_p80"] for r in prof.rows)
+    prof.drain()  # nothing pending: nothing more
+    assert len(prof.rows) == 2 and len(calls) == 2 * rounds
