@@ -35,8 +35,8 @@ NOTES = (
     "activations and KV in meta 'dtype': the engine's default on the device, or bf16 for a scenario run",
     "every timed sample starts with the caches flushed (meta 'flush_bytes' written just before; 0 on "
     "a CPU, where a step's ops find their data in the last-level cache)",
-    "on a CPU all rows (but h2d_copy's, one at a time) are timed in rounds, one sample of every row "
-    "per round, so that the machine's drift spreads over all of them",
+    "on a CPU the rows of an op group (of one precision, for moe_ffn) are timed in rounds, one sample "
+    "of every row per round, so that the machine's drift spreads over all of them",
     "moe_ffn: e experts of one precision, each routed exactly m tokens (top-1 routing: the top-k sum, "
     "one elementwise pass, is not timed); on a CPU, precisions whose dense copies share a dtype share "
     "one timing (the same matmuls)",
@@ -202,10 +202,9 @@ class Profiler:
         # A CPU's speed drifts by tens of percent over seconds (a shared VM's neighbours, its
         # clock): timed one after another, two rows of a table differed by the drift between
         # them (the same matmuls by up to 2x; a row moved +-30-70% from one profile to the
-        # next beyond the machine's overall speed). On a CPU the rows are therefore timed in
-        # rounds, one sample of every row per round (``drain``, once all ops are recorded):
-        # each row's median spans the whole profile, and a step's ops are timed alike. A GPU
-        # times each row at once (its clock holds).
+        # next beyond the machine's overall speed). On a CPU the rows of an op group are
+        # therefore timed in rounds, one sample of every row per round (``drain``): each
+        # row's median spans the whole group. A GPU times each row at once (its clock holds).
         self._pending: list[tuple[dict, Callable[[], object]]] | None = [] if device.type == "cpu" else None
         self._moe_aliases: list[tuple[str, str]] = []  # (precision, the one whose moe_ffn rows it shares)
 
@@ -223,10 +222,10 @@ class Profiler:
 
     def drain(self) -> None:
         """Time the rows recorded since the last drain in rounds (CPU; see ``__init__``)."""
-        pending, self._pending = self._pending, [] if self._pending is not None else None
-        if not pending:
-            return
-        for _ in range(self.grid.warmup):
+        pending = self._pending or []
+        if self._pending is not None:
+            self._pending = []
+        for _ in range(self.grid.warmup if pending else 0):
             for _, fn in pending:
                 fn()
         times = [[] for _ in pending]
@@ -288,6 +287,7 @@ class Profiler:
                     else:
                         fn = lambda x=x, ids=ids, w=weights, c=[m] * e, d=dense: moe_ffn_grouped(x, ids, w, *d, c)  # noqa: E731
                     self._record("moe_ffn", fn, precision=prec, m=m, e=e, n=f, k=h)
+            self.drain()  # this precision's dense copies go with ``experts``
             del experts
         if on_gpu:
             torch.cuda.empty_cache()
@@ -456,8 +456,7 @@ def profile(
     scenario run is measured in ``SCENARIO_DTYPE``).
 
     ``on_progress(table_so_far, meta)`` runs after each op group, so a run cut short by a time
-    limit still leaves what it measured (meta ``complete: false``; on a CPU, whose rows are
-    timed together once all are recorded, the table so far is empty until then).
+    limit still leaves what it measured (meta ``complete: false``).
     """
     if isinstance(grid_name, str) and grid_name not in GRIDS:
         raise ConfigError(f"grid {grid_name!r} unknown; allowed: {', '.join(GRIDS)}")
@@ -476,8 +475,7 @@ def profile(
                      "h2d_copy": prof.h2d_copy}  # fmt: skip
             for op in ops:
                 steps[op]()
-                if prof.device.type != "cpu":  # a CPU's rows are timed together (Profiler.drain)
-                    prof.drain()
+                prof.drain()
                 if on_progress is not None and (rows or prof.rows):
                     on_progress(_frame(rows + prof.rows), {**_meta(dev, grid, models, dtype), "complete": False})
             prof.drain()

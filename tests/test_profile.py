@@ -235,7 +235,7 @@ def test_bad_ep_is_a_one_line_error_before_anything_is_timed(tmp_path, capsys, a
 
 def test_cpu_rows_are_timed_in_rounds():
     """On a CPU each round takes one sample of every pending row, so that every row's median
-    spans the whole profile (the machine's drift does not land on one row); a GPU times each
+    spans the whole group (the machine's drift does not land on one row); a GPU times each
     row at once."""
     import torch
 
