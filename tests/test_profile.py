@@ -254,3 +254,18 @@ def test_cpu_rows_are_timed_in_rounds():
     assert all(r["latency_us_p20"] <= r["latency_us_p50"] <= r["latency_us_p80"] for r in prof.rows)
     prof.drain()  # nothing pending: nothing more
     assert len(prof.rows) == 2 and len(calls) == 2 * rounds
+
+
+def test_cpu_moe_rows_of_one_dense_dtype_are_one_timing():
+    """In a bf16 run every precision's dense copies are bf16: the same matmuls, timed once and
+    written under each precision, also when moe_ffn is the last op group profiled."""
+    import torch
+
+    from pwgpu.profile import GRIDS, Profiler
+
+    prof = Profiler(load_model("tiny-moe"), GRIDS["small"], torch.device("cpu"), ("bf16", "int8", "int4"),
+                    torch.bfloat16)  # fmt: skip
+    prof.moe_ffn()
+    prof.drain()
+    by = {p: [(r["m"], r["e"], r["latency_us_p50"]) for r in prof.rows if r["precision"] == p] for p in prof.precisions}
+    assert by["bf16"] and by["int8"] == by["bf16"] and by["int4"] == by["bf16"]
