@@ -39,6 +39,10 @@ from pwgpu.serve_metrics import RequestTiming, ServerMetrics
 from pwgpu.tokenizer import IncrementalDecoder, Tokenizer, chat_prompt
 
 MAX_N = 16  # choices per request
+# How often a request whose tokens keep coming looks whether its client is still there: an
+# abort frees the request's KV at most this long after the client left (a check is an await
+# on the connection's receive channel, microseconds).
+DISCONNECT_CHECK_S = 0.25
 # JSON has no -inf; a token the model gives no chance gets this (as vLLM reports it).
 MIN_LOGPROB = -9999.0
 
@@ -430,11 +434,12 @@ def build_app(runner: EngineThread, tokenizer: Tokenizer | None, settings: Serve
         try:
             while True:
                 try:
-                    item = await asyncio.wait_for(q.get(), timeout=1.0)
+                    item = await asyncio.wait_for(q.get(), timeout=DISCONNECT_CHECK_S)
                 except TimeoutError:
                     item = None
-                # Tokens may flow for minutes to a client that has gone: look at least once a second.
-                if item is None or time.monotonic() - checked_s > 1.0:
+                # Tokens may flow for minutes to a client that has gone: look every
+                # DISCONNECT_CHECK_S while they do.
+                if item is None or time.monotonic() - checked_s > DISCONNECT_CHECK_S:
                     checked_s = time.monotonic()
                     if await request.is_disconnected():
                         return

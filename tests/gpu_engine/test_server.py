@@ -113,7 +113,9 @@ def test_disconnect_frees_kv(server):
     wait_for_metrics(url, lambda m: idle(m) and aborts(m) == before + 1, "the stream aborted and its KV freed")
     # The plain request's client leaves once the server runs the request, not after a fixed
     # time: under load the server may not have read the request by then.
-    payload = json.dumps(body).encode()
+    # As long as the context allows (512), so that it cannot finish before the server next looks
+    # for its client (``server.DISCONNECT_CHECK_S``).
+    payload = json.dumps({"prompt": [5] * 8, "max_tokens": 500, "ignore_eos": True}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n")  # fmt: skip
     port = int(url.rsplit(":", 1)[1])
