@@ -40,7 +40,7 @@ from pwgpu.tokenizer import IncrementalDecoder, Tokenizer, chat_prompt
 
 MAX_N = 16  # choices per request
 # How often a request whose tokens keep coming looks whether its client is still there: an
-# abort frees the request's KV at most this long after the client left (a check is an await
+# abort frees the request's KV about this long after the client left (a check is an await
 # on the connection's receive channel, microseconds).
 DISCONNECT_CHECK_S = 0.25
 # JSON has no -inf; a token the model gives no chance gets this (as vLLM reports it).
