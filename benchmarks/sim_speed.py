@@ -169,24 +169,32 @@ def _components(profiler) -> dict[str, float]:
     import pstats
 
     stats = pstats.Stats(profiler).stats  # func -> (cc, nc, tt, ct, callers{func: (cc, nc, tt, ct)})
-    totals: dict[str, float] = {}
+    shares: dict = {}  # func -> {component: fraction of its time}, memoised: callers fan out
 
-    def charge(func, seconds: float, depth: int = 0) -> None:
+    def share(func, depth: int = 0) -> dict[str, float]:
+        if func in shares:
+            return shares[func]
         comp = _component(func[0])
-        if comp is not None or depth > 8:
-            totals[comp or "other"] = totals.get(comp or "other", 0.0) + seconds
-            return
         callers = stats.get(func, (0, 0, 0, 0, {}))[4]
         spent = sum(c[2] for c in callers.values())  # time of func attributed per caller
-        if not callers or spent <= 0:
-            totals["other"] = totals.get("other", 0.0) + seconds
-            return
-        for caller, c in callers.items():
-            charge(caller, seconds * c[2] / spent, depth + 1)
+        if comp is not None:
+            out = {comp: 1.0}
+        elif depth > 8 or not callers or spent <= 0:
+            out = {"other": 1.0}
+        else:
+            shares[func] = {"other": 1.0}  # a cycle back to func: charged to "other"
+            out = {}
+            for caller, c in callers.items():
+                for name, f in share(caller, depth + 1).items():
+                    out[name] = out.get(name, 0.0) + f * c[2] / spent
+        shares[func] = out
+        return out
 
+    totals: dict[str, float] = {}
     for func, (_, _, tt, _, _) in stats.items():
         if tt > 0:
-            charge(func, tt)
+            for name, f in share(func).items():
+                totals[name] = totals.get(name, 0.0) + tt * f
     return totals
 
 

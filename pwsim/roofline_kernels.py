@@ -18,7 +18,7 @@ import functools
 
 import numpy as np
 
-from pwsim.routing_kernels import available, numba_module
+from pagedweight.compiled import available, numba_module
 
 
 def _expert_times_loop(tokens, s_per_token, read_s, keys, num_keys, out, num_calls):

@@ -24,20 +24,7 @@ import functools
 
 import numpy as np
 
-
-@functools.cache
-def numba_module():
-    """numba, imported on first use; None where it is not installed (the numpy passes run)."""
-    try:
-        import numba
-    except ImportError:  # a platform without numba's wheels
-        return None
-    return numba
-
-
-def available() -> bool:
-    """Whether numba is installed, so that the compiled loops run."""
-    return numba_module() is not None
+from pagedweight.compiled import available, numba_module  # noqa: F401 - re-exported
 
 
 def values_numpy(p_i, p_j, scale, inclusion, num_tokens, lo, bounded, uniforms, start, unused_prob, x, weight):

@@ -19,6 +19,7 @@ from pagedweight.config.run import ScenarioRun, scenario_run
 from pagedweight.config.scenario import LoadedScenario
 from pagedweight.policy.policies import PolicyInfeasible, relative_run_cost
 from pagedweight.results.metrics import RequestColumns
+from pagedweight.results.report_data import steps_from_arrays
 from pagedweight.results.writer import ResultsWriter, policy_summary, run_meta, trace_meta, write_policy_tables
 from pwsim.executor import Display, Job, auto_display, run_jobs
 from pwsim.latency import LatencyModel, build_latency_model
@@ -147,13 +148,16 @@ def run_scenario(
             out_of_grid = Counter(getattr(latency, "out_of_grid", None) or {})
         if out_of_grid:  # points the latency table did not cover: timed by the analytic fallback
             writer.meta["out_of_grid"] = dict(out_of_grid)
+        arrays = writer.step_arrays() if report else None
+        steps = steps_from_arrays(arrays) if arrays else None
         meta = writer.write(run.resolved_yaml)
     finally:
         writer.discard_parts()
     if report:
         from pagedweight.results.report import write_report
 
-        write_report([writer.out_dir], writer.out_dir / "report.html")
+        held = {writer.out_dir: steps} if steps is not None else None
+        write_report([writer.out_dir], writer.out_dir / "report.html", steps=held)
     return meta
 
 

@@ -194,19 +194,52 @@ def test_inter_token_gaps_pool_each_requests_own_gaps_in_order():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    ints=st.lists(st.integers(-(2**62), 2**62), min_size=0, max_size=30),
+    ints=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=0, max_size=30),
     floats=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=64), min_size=30, max_size=30),
     text=st.lists(st.one_of(st.none(), st.text(alphabet=st.sampled_from('ab ,"\n\r;é'), max_size=6)), min_size=30),
     chunk=st.integers(1, 8),
     header=st.booleans(),
 )
 def test_csv_writer_writes_what_pandas_writes(ints, floats, text, chunk, header):
-    """``write_csv_rows`` against pandas' ``to_csv``, byte for byte: integers, floats of any
-    exponent (NaN, infinities, subnormals), text needing quotes, missing values, booleans."""
+    """``write_csv_rows`` against pandas' ``to_csv``, byte for byte, compiled and in Python:
+    integers of the whole int64 range, floats of any exponent (NaN, infinities, subnormals,
+    -0.0), text needing quotes, missing values, booleans, a constant column."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _csv_writer_writes_what_pandas_writes(ints, floats, text, chunk, header, monkeypatch)
+
+
+def test_csv_writer_compiled_rows_of_plain_text():
+    """The compiled path with text that needs no quotes (non-ASCII included), repeated and
+    distinct floats, a constant column and int64's extremes: pandas' bytes."""
     import io
 
     import pandas as pd
 
+    from pagedweight.results.writer import write_csv_rows
+
+    n = 50
+    df = pd.DataFrame(
+        {
+            "policy": pd.Series(["pagedweight"] * n, dtype=object),
+            "i": np.asarray([-(2**63), 2**63 - 1, 0, -1, 10] * 10, dtype=np.int64),
+            "t": pd.Series(["é", "ab", "", None, "x y"] * 10, dtype=object),
+            "f": np.asarray([0.1, 0.1, -0.5, 1e300, 3.0] * 10),
+            "g": np.linspace(0.0, 1.0, n),
+        }
+    )
+    ours = io.StringIO()
+    write_csv_rows(ours, df, rows_per_chunk=16)
+    assert ours.getvalue() == df.to_csv(index=False, lineterminator="\n")
+
+
+def _csv_writer_writes_what_pandas_writes(ints, floats, text, chunk, header, monkeypatch):
+    import io
+
+    import pandas as pd
+
+    from pagedweight.results import csv_rows
     from pagedweight.results.writer import write_csv_rows
 
     n = len(ints)
@@ -216,9 +249,17 @@ def test_csv_writer_writes_what_pandas_writes(ints, floats, text, chunk, header)
             "f": np.asarray(floats[:n], dtype=np.float64),
             "t": pd.Series(text[:n], dtype=object),
             "b": np.asarray([x % 2 == 0 for x in ints], dtype=bool),
+            "u": np.asarray([abs(x) % 2**16 for x in ints], dtype=np.uint16),
+            "same": pd.Series([text[0] or "x"] * n, dtype=object),  # printed once when compiled
+            "tail": np.asarray(ints[::-1], dtype=np.int64),
         }
     )
     ours = io.StringIO()
     write_csv_rows(ours, df, header=header, rows_per_chunk=chunk)
     theirs = df.to_csv(index=False, header=header, lineterminator="\n")
     assert ours.getvalue() == theirs
+    if csv_rows.available():  # the Python path too
+        monkeypatch.setattr(csv_rows, "available", lambda: False)
+        python = io.StringIO()
+        write_csv_rows(python, df, header=header, rows_per_chunk=chunk)
+        assert python.getvalue() == theirs

@@ -275,3 +275,37 @@ def test_cdf_of_many_values_is_drawn_through_a_bounded_number_of_ranks():
         assert np.all(np.diff(x) >= 0) and np.all(np.diff(y) > 0)
         # Every drawn point lies on the exact CDF.
         np.testing.assert_array_equal(finite[np.round(y * n).astype(int) - 1], x)
+
+
+def test_step_arrays_give_the_frame_the_csv_gives(tmp_path):
+    """A run's report takes its step table from the arrays its policies' rows were written
+    from: the same frame (values, types, policy categories in order) as reading steps.csv, or
+    None where the CSV reader's types would not hold the values."""
+    from pagedweight.config.scenario import load_scenario
+    from pagedweight.results import report_data
+    from pagedweight.results.writer import ResultsWriter
+    from pwsim.run import scenario_run, simulate_policy
+
+    scenario = tmp_path / "pressure.yaml"
+    scenario.write_text(PRESSURE_YAML)
+    loaded = load_scenario(scenario)
+    run = scenario_run(loaded)
+    writer = ResultsWriter(tmp_path / "out", {})
+    for i, policy in enumerate(run.policies):
+        r = simulate_policy(loaded, run, policy, str(writer.parts_root / str(i)))
+        writer.add_parts(policy, Path(r["parts_dir"]), r["summary"])
+    arrays = writer.step_arrays()
+    assert [p for p, _ in arrays] == list(run.policies)
+    held = report_data.steps_from_arrays(arrays)
+    with np.load(arrays[0][1]) as a:
+        cols = {k: a[k] for k in a.files}
+    writer.write()
+    read = report_data._steps_csv(tmp_path / "out" / "steps.csv")
+    pd.testing.assert_frame_equal(held, read)
+    assert len(held) > 100 and list(held["policy"].cat.categories) == list(run.policies)
+
+    # A value the CSV reader's int32 would not hold: the caller reads the CSV instead.
+    path = tmp_path / "big.npz"
+    cols["kv_pages"] = cols["kv_pages"] + 2**31
+    np.savez(path, **cols)
+    assert report_data.steps_from_arrays([("static-fp16", path)]) is None

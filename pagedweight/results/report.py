@@ -23,6 +23,7 @@ import dataclasses
 import html
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagedweight.results import report_plots as plots
 from pagedweight.results.report_data import (
@@ -37,6 +38,9 @@ from pagedweight.results.report_data import (
 )
 from pagedweight.results.report_parallel import parallel_section
 from pagedweight.results.writer import atomic_write_text
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 BASELINE = "static-fp16"
 # The open rows of the summary table: what was served, how fast, at what memory and quality.
@@ -305,13 +309,20 @@ def validation_section(v: dict) -> str:
     return "".join(parts)
 
 
-def write_report(result_dirs: list[Path], out_html: Path, validation: dict | None = None) -> Path:
+def write_report(
+    result_dirs: list[Path],
+    out_html: Path,
+    validation: dict | None = None,
+    steps: dict[Path, pd.DataFrame] | None = None,
+) -> Path:
     """The report of one or more results directories, with its PNGs beside ``out_html``.
-    ``validation``: ``pwsim validate``'s result, shown under the pair of runs it compared."""
+    ``validation``: ``pwsim validate``'s result, shown under the pair of runs it compared.
+    ``steps``: step tables the caller holds already, by directory (``load_run``)."""
     out_html = Path(out_html)
     out_dir = out_html.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = [load_run(d) for d in result_dirs]
+    steps = steps or {}
+    runs = [load_run(d, steps=steps.get(Path(d))) for d in result_dirs]
     prefixes = [r.name if [q.name for q in runs].count(r.name) == 1 else f"{r.name}{i}" for i, r in enumerate(runs)]
     nav, sections = [], []
     for i, (run, prefix) in enumerate(zip(runs, prefixes, strict=True)):

@@ -32,6 +32,7 @@ from pagedweight.core.runtime import RuntimeCore
 from pagedweight.core.scheduler import Request
 from pagedweight.core.spec import PRECISION_NAMES, ladder
 from pagedweight.core.transition_log import TRANSITION_COLUMNS, TransitionLog
+from pagedweight.results import csv_rows
 from pagedweight.results.metrics import RequestColumns, Slo, request_table, summarize
 
 _CSV_SPECIAL = (",", '"', "\n", "\r")  # a field holding one is quoted
@@ -175,6 +176,8 @@ TABLES = ("requests", "steps", "transitions", "initial_precisions")
 # per rank and step, or per precision change; an hour of paper-greedy on a 6,144-expert model
 # logs ~13 million changes.
 STEP_TABLES = ("steps", "transitions", "initial_precisions", "steps_by_rank", "ep_steps")
+# A part's step table as arrays too (``numpy.savez``), for the report of the run that wrote it.
+STEP_ARRAYS = "steps.npz"
 # Tables only some runs have (an expert-parallel replica's, ``pwsim.parallel``): joined when present.
 OPTIONAL_TABLES = ("steps_by_rank", "ep_steps")
 
@@ -201,7 +204,10 @@ def write_policy_tables(
         return
     ids = np.asarray(core.setup.initial_ids)
     experts = np.arange(len(ids))
-    _write_columns(parts_dir / "steps.csv", policy, core.steps.columns(), replica)
+    steps = core.steps.columns()
+    _write_columns(parts_dir / "steps.csv", policy, steps, replica)
+    if replica is None:  # the same rows for the run's report, read back without parsing text
+        np.savez(parts_dir / STEP_ARRAYS, **steps)
     write_transitions(parts_dir / "transitions.csv", policy, core.transitions, replica)
     df = pd.DataFrame(
         {"expert": experts, "layer": experts // core.model.num_experts, "precision": np.asarray(PRECISION_NAMES)[ids]}
@@ -230,14 +236,15 @@ def label_rows(df: pd.DataFrame, policy: str, replica: int | None = None) -> Non
     df.insert(0, "policy", policy)
 
 
-def write_csv_rows(f, df: pd.DataFrame, header: bool = True, rows_per_chunk: int = 2048) -> None:
+def write_csv_rows(f, df: pd.DataFrame, header: bool = True, rows_per_chunk: int | None = None) -> None:
     """``df.to_csv(f, index=False, header=header)``, the same bytes, faster on the big tables:
     each column is formatted as pandas prints it (floats by ``repr``, the shortest string that
-    reads back the same; NaN and None empty) and the rows are joined; only where a text field
-    needs quoting does the csv module (which pandas uses) write them. pandas spent ~1 us on each
-    float (0.4 s of a cluster replica's 48,000-request table). ``rows_per_chunk`` rows are
-    formatted at a time: a string per cell of a 100,000-step slice would hold ~200 MB, of
-    2,048 steps ~8 MB."""
+    reads back the same; NaN and None empty) and the rows are joined, by a compiled loop where
+    numba is (``csv_rows``: integers printed there, a constant column once); only where a text
+    field needs quoting does the csv module (which pandas uses) write them. pandas spent ~1 us
+    on each float (0.4 s of a cluster replica's 48,000-request table). ``rows_per_chunk`` rows
+    are formatted at a time (16,384 compiled, 2,048 in Python: a string per cell of a
+    100,000-step slice would hold ~200 MB)."""
     names = [str(c) for c in df.columns]
     columns = [df[name].to_numpy() for name in df.columns]
     if header:
@@ -245,13 +252,63 @@ def write_csv_rows(f, df: pd.DataFrame, header: bool = True, rows_per_chunk: int
             csv.writer(f, lineterminator="\n").writerow(names)
         else:
             f.write(",".join(names) + "\n")
-    for start in range(0, len(df), rows_per_chunk):
-        cells = [_csv_text(values[start : start + rows_per_chunk]) for values in columns]
+    compiled = csv_rows.available()
+    chunk = rows_per_chunk or (16_384 if compiled else 2_048)
+    for start in range(0, len(df), chunk):
+        stop = min(start + chunk, len(df))
+        if compiled:
+            spec = _compiled_columns([values[start:stop] for values in columns])
+            if spec is not None:
+                _write_bytes(f, csv_rows.join_rows(spec, stop - start))
+                continue
+        cells = [_csv_text(values[start:stop]) for values in columns]
         if any(_needs_quotes(text) for text, v in zip(cells, columns, strict=True) if v.dtype.kind == "O"):
             csv.writer(f, lineterminator="\n").writerows(zip(*cells, strict=True))
         else:
             f.write("\n".join(map(",".join, zip(*cells, strict=True))))
             f.write("\n")
+
+
+def _compiled_columns(chunks: list[np.ndarray]) -> list[tuple[int, object]] | None:
+    """``csv_rows.join_rows``' column specs for one chunk; None if a text cell needs quotes."""
+    spec: list[tuple[int, object]] = []
+    for values in chunks:
+        kind = values.dtype.kind
+        if kind == "i" or (kind == "u" and values.dtype.itemsize < 8):
+            spec.append((csv_rows.INTS, values.astype(np.int64, copy=False)))
+            continue
+        if kind == "O" and len(values) and isinstance(values[0], str):
+            first = values[0]
+            try:
+                constant = bool((values == first).all())
+            except (TypeError, ValueError):  # pd.NA and the like: not comparable, so not constant
+                constant = False
+            if constant:
+                if _needs_quotes([first]):
+                    return None
+                spec.append((csv_rows.CONSTANT, first))
+                continue
+        if kind == "f" and not (np.signbit(values) & (values == 0)).any():  # -0.0 == 0.0 to unique
+            # Printed once per distinct value (repr is ~0.35 us a float; sorting is cheaper, and
+            # most step columns repeat their values: usage ratios, durations of alike steps).
+            distinct, inverse = np.unique(values, return_inverse=True)
+            spec.append((csv_rows.VALUES, (_csv_text(distinct), inverse)))
+            continue
+        text = _csv_text(values)
+        if kind == "O" and _needs_quotes(text):
+            return None
+        spec.append((csv_rows.TEXT, text))
+    return spec
+
+
+def _write_bytes(f, data: bytes) -> None:
+    """``data`` (UTF-8) to a text file ``f``: to its byte stream where it has one."""
+    buffer = getattr(f, "buffer", None)
+    if buffer is None:
+        f.write(data.decode())
+    else:
+        f.flush()
+        buffer.write(data)
 
 
 def _needs_quotes(text: list[str]) -> bool:
@@ -329,6 +386,7 @@ class ResultsWriter:
     out_dir: Path
     meta: dict
     _parts: list[Path] = field(default_factory=list)
+    _part_policy: dict[Path, str] = field(default_factory=dict)
     _parts_root: Path | None = None
 
     def __post_init__(self) -> None:
@@ -355,7 +413,21 @@ class ResultsWriter:
         """A policy whose tables ``write_policy_tables`` wrote to ``parts_dir`` (or to each of
         a list of folders, joined in that order: a cluster's replicas)."""
         self.meta["policies"][policy] = summary
-        self._parts += [Path(d) for d in parts_dir] if isinstance(parts_dir, list) else [Path(parts_dir)]
+        dirs = [Path(d) for d in parts_dir] if isinstance(parts_dir, list) else [Path(parts_dir)]
+        self._parts += dirs
+        self._part_policy |= dict.fromkeys(dirs, policy)
+
+    def step_arrays(self) -> list[tuple[str, Path]] | None:
+        """Each part's policy and its step arrays (``STEP_ARRAYS``), in order; None unless every
+        part has them (a cluster's parts have a replica column and no arrays). Valid until
+        ``write``."""
+        out = []
+        for part in self._parts:
+            path = part / STEP_ARRAYS
+            if not path.is_file():
+                return None
+            out.append((self._part_policy[part], path))
+        return out
 
     def write(self, scenario_yaml: str | None = None) -> dict:
         out = self.out_dir
@@ -380,6 +452,7 @@ class ResultsWriter:
             shutil.rmtree(self._parts_root, ignore_errors=True)
             self._parts_root = None
         self._parts = []
+        self._part_policy = {}
 
 
 def _json_default(v):
