@@ -299,13 +299,17 @@ def test_step_arrays_give_the_frame_the_csv_gives(tmp_path):
     held = report_data.steps_from_arrays(arrays)
     with np.load(arrays[0][1]) as a:
         cols = {k: a[k] for k in a.files}
+    first = tmp_path / "first.npz"
+    np.savez(first, **cols)
     writer.write()
     read = report_data._steps_csv(tmp_path / "out" / "steps.csv")
     pd.testing.assert_frame_equal(held, read)
     assert len(held) > 100 and list(held["policy"].cat.categories) == list(run.policies)
 
-    # A value the CSV reader's int32 would not hold: the caller reads the CSV instead.
-    path = tmp_path / "big.npz"
-    cols["kv_pages"] = cols["kv_pages"] + 2**31
-    np.savez(path, **cols)
-    assert report_data.steps_from_arrays([("static-fp16", path)]) is None
+    # A value the CSV reader's int32 would not hold: no arrays, and the report reads the CSV.
+    cols["kv_pages"] = cols["kv_pages"].astype(np.int64) + 2**31
+    assert report_data.report_step_arrays(cols) is None
+    # Parts whose columns differ: the CSV too.
+    path = tmp_path / "fewer.npz"
+    np.savez(path, **{k: v for k, v in cols.items() if k != "kv_pages"})
+    assert report_data.steps_from_arrays([("static-fp16", first), ("x", path)]) is None

@@ -183,36 +183,59 @@ def _steps_csv(path: Path) -> pd.DataFrame:
     return pd.DataFrame(cols, copy=False)
 
 
-def steps_from_arrays(parts: list[tuple[str, Path]]) -> pd.DataFrame | None:
-    """The frame ``_steps_csv`` reads from the steps.csv of these parts (each a policy and the
-    arrays its rows were written from, ``writer.STEP_ARRAYS``), without parsing 30 columns of
-    text per step (~3.5 s for the 2.8 million steps of 7 policies over a long-context hour).
-    None where the CSV reader would not give the same frame (a value outside its column's
-    type), or there are no rows: the caller reads the CSV."""
-    loaded = []
-    for policy, path in parts:
-        with np.load(path) as arrays:
-            loaded.append((policy, {name: arrays[name] for name in arrays.files}))
-    if not loaded:
-        return None
-    names = ["policy", *loaded[0][1]]
-    if len(names) < 2 or any(["policy", *arrays] != names for _, arrays in loaded):
-        return None
-    if not sum(len(arrays[names[1]]) for _, arrays in loaded):
-        return None
-    # As the CSV reader names them: in order of their first row.
-    categories = list(dict.fromkeys(policy for policy, arrays in loaded if len(arrays[names[1]])))
-    cols = {"policy": np.concatenate([np.full(len(a[names[1]]), categories.index(p), np.int16) for p, a in loaded])}
-    for name in names[1:]:
-        values = np.concatenate([arrays[name] for _, arrays in loaded])
+def report_step_arrays(columns: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """A policy's step columns in the types the report reads steps.csv into (``_STEP_TYPES``;
+    counts as int32), or None if a value does not fit its type (the CSV reader would then
+    fall back to pandas' own types: the report reads the CSV)."""
+    out = {}
+    for name, values in columns.items():
         dtype = np.dtype(_STEP_TYPES.get(name, "int32"))
         if dtype.kind == "i":
             info = np.iinfo(dtype)
             if values.dtype.kind not in "iu" or (len(values) and (values.min() < info.min or values.max() > info.max)):
                 return None
-        cols[name] = values.astype(dtype, copy=False)
-    cols["policy"] = pd.Categorical.from_codes(cols["policy"], categories=categories)
-    return pd.DataFrame(cols, copy=False)
+        out[name] = values.astype(dtype, copy=False)
+    return out
+
+
+def steps_from_arrays(parts: list[tuple[str, Path]]) -> pd.DataFrame | None:
+    """The frame ``_steps_csv`` reads from the steps.csv of these parts (each a policy and its
+    ``report_step_arrays``, saved by ``numpy.savez``), without parsing 30 columns of text per
+    step (~3.5 s for the 2.8 million steps of 7 policies over a long-context hour); filled
+    column by column into arrays of their final length, as ``_steps_csv`` fills them. None
+    where the parts do not have the same columns or there are no rows: the caller reads the CSV."""
+    files = [(policy, np.load(path)) for policy, path in parts]
+    try:
+        if not files or not files[0][1].files:
+            return None
+        names = files[0][1].files
+        if any(f.files != names for _, f in files):
+            return None
+        lengths = [len(f[names[0]]) for _, f in files]
+        total = sum(lengths)
+        if not total:
+            return None
+        # As the CSV reader names them: in order of their first row.
+        categories = list(dict.fromkeys(policy for (policy, _), n in zip(files, lengths, strict=True) if n))
+        codes = np.concatenate(
+            [np.full(n, categories.index(p) if n else 0, np.int16) for (p, _), n in zip(files, lengths, strict=True)]
+        )
+        cols: dict[str, object] = {"policy": pd.Categorical.from_codes(codes, categories=categories)}
+        for name in names:
+            out, at = None, 0
+            for (_, f), n in zip(files, lengths, strict=True):
+                values = f[name]
+                if out is None:
+                    out = np.empty(total, dtype=values.dtype)
+                if values.dtype != out.dtype or len(values) != n:
+                    return None
+                out[at : at + n] = values
+                at += n
+            cols[name] = out
+        return pd.DataFrame(cols, copy=False)
+    finally:
+        for _, f in files:
+            f.close()
 
 
 def load_run(path: str | Path, tables: bool = True, steps: pd.DataFrame | None = None) -> RunResults:

@@ -34,6 +34,7 @@ from pagedweight.core.spec import PRECISION_NAMES, ladder
 from pagedweight.core.transition_log import TRANSITION_COLUMNS, TransitionLog
 from pagedweight.results import csv_rows
 from pagedweight.results.metrics import RequestColumns, Slo, request_table, summarize
+from pagedweight.results.report_data import report_step_arrays
 
 _CSV_SPECIAL = (",", '"', "\n", "\r")  # a field holding one is quoted
 
@@ -206,8 +207,9 @@ def write_policy_tables(
     experts = np.arange(len(ids))
     steps = core.steps.columns()
     _write_columns(parts_dir / "steps.csv", policy, steps, replica)
-    if replica is None:  # the same rows for the run's report, read back without parsing text
-        np.savez(parts_dir / STEP_ARRAYS, **steps)
+    arrays = report_step_arrays(steps) if replica is None else None
+    if arrays is not None:  # the same rows for the run's report, read back without parsing text
+        np.savez(parts_dir / STEP_ARRAYS, **arrays)
     write_transitions(parts_dir / "transitions.csv", policy, core.transitions, replica)
     df = pd.DataFrame(
         {"expert": experts, "layer": experts // core.model.num_experts, "precision": np.asarray(PRECISION_NAMES)[ids]}
