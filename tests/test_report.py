@@ -313,3 +313,18 @@ def test_step_arrays_give_the_frame_the_csv_gives(tmp_path):
     path = tmp_path / "fewer.npz"
     np.savez(path, **{k: v for k, v in cols.items() if k != "kv_pages"})
     assert report_data.steps_from_arrays([("static-fp16", first), ("x", path)]) is None
+
+
+def test_policy_steps_are_the_rows_a_mask_selects():
+    """``RunResults.policy_steps``: a slice where a policy's rows are together, the mask's rows
+    where they are not, nothing for a policy without rows; recomputed for a new table."""
+    from pagedweight.results.report_data import RunResults
+
+    policy = pd.Categorical(["a", "a", "b", "b", "b", "c", "a"])
+    steps = pd.DataFrame({"policy": policy, "step": np.arange(7)})
+    run = RunResults(Path("x"), {}, steps, pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), {})
+    for p in ("a", "b", "c", "d"):
+        pd.testing.assert_frame_equal(run.policy_steps(p), steps[steps["policy"] == p])
+    run.steps = steps.iloc[2:5]
+    pd.testing.assert_frame_equal(run.policy_steps("b"), steps.iloc[2:5])
+    assert run.policy_steps("a").empty

@@ -93,7 +93,7 @@ def memory_figure(run: RunResults, out_png: Path) -> Path | None:
     unit, unit_bytes = ("GiB", GIB) if summary["budget_bytes"] >= GIB else ("MiB", 2**20)
     page_u = summary["page_bytes"] / unit_bytes
     budget_u = summary["budget_bytes"] / unit_bytes
-    policies = [p for p in run.policies if (steps["policy"] == p).any()]
+    policies = [p for p in run.policies if not run.policy_steps(p).empty]
     if not policies:
         return None
     precisions = [p for p in PRECISION_ORDER if f"weight_pages_{p}" in steps and steps[f"weight_pages_{p}"].any()]
@@ -112,7 +112,7 @@ def memory_figure(run: RunResults, out_png: Path) -> Path | None:
     ]
     fig, axes = _grid(len(policies), 2.3)
     for ax, policy in zip(axes, policies, strict=True):
-        s = sample_steps(steps[steps["policy"] == policy], [c for c, _, _ in layers])
+        s = sample_steps(run.policy_steps(policy), [c for c, _, _ in layers])
         ax.stackplot(s["time_s"], *[s[c] * page_u for c, _, _ in layers], colors=[c for _, _, c in layers])
         ax.axhline(budget_u, color="black", lw=1.0, ls="--")
         m = run.metrics(policy)
@@ -149,7 +149,7 @@ def dynamic_policies(run: RunResults) -> list[str]:
     """Policies whose precision map changed during the run."""
     if run.transitions.empty:
         return []
-    changed = set(run.transitions.loc[run.transitions["kind"] != "abort", "policy"])
+    changed = set(run.transitions.loc[run.transitions["kind"] != "abort", "policy"].unique())
     return [p for p in run.policies if p in changed]
 
 
@@ -164,7 +164,7 @@ def precision_map_figure(run: RunResults, out_png: Path, num_times: int = 400) -
     axes = fig.subplots(len(policies), 1, squeeze=False)[:, 0]
     used: list[str] = []
     for ax, policy in zip(axes, policies, strict=True):
-        steps = run.steps[run.steps["policy"] == policy]
+        steps = run.policy_steps(policy)
         end_s = float(steps["start_s"].iloc[-1] + steps["duration_s"].iloc[-1]) if len(steps) else 1.0
         times = np.linspace(0.0, end_s, num_times)
         initial = run.initial_precisions[run.initial_precisions["policy"] == policy]
@@ -277,7 +277,7 @@ def quality_figure(run: RunResults, out_png: Path) -> Path:
     ax_t, ax_q = fig.subplots(1, 2, width_ratios=(1.6, 1))
     values = []
     for p in run.policies:
-        s = sample_steps(run.steps[run.steps["policy"] == p], ["quality_proxy"])
+        s = sample_steps(run.policy_steps(p), ["quality_proxy"])
         ax_t.step(s["time_s"], s["quality_proxy"], where="post", color=policy_colour(p), label=p, lw=1.4)
         values += s["quality_proxy"].tolist()
     quality_scale(ax_t, values)
@@ -313,7 +313,7 @@ def prefix_figure(run: RunResults, out_png: Path) -> Path | None:
     fig = Figure(figsize=(FIG_WIDTH_IN, 4.0), layout="constrained")
     ax_hit, ax_ev, ax_mem = fig.subplots(1, 3)
     for p in run.policies:
-        mine = steps[steps["policy"] == p]
+        mine = run.policy_steps(p)
         if mine.empty:
             continue
         # Running totals on every step, then sampled (sampling first would drop steps' counts).
@@ -342,7 +342,7 @@ def transitions_figure(run: RunResults, out_png: Path, num_bins: int = 200) -> P
     host-to-device copy budget."""
     swapping = set()
     if "bytes_swapped" in run.steps:
-        swapping = set(run.steps.loc[run.steps["bytes_swapped"] > 0, "policy"])
+        swapping = set(run.steps.loc[run.steps["bytes_swapped"] > 0, "policy"].unique())
     moving = set(dynamic_policies(run)) | swapping
     policies = [p for p in run.policies if p in moving]
     if not policies:
@@ -351,7 +351,7 @@ def transitions_figure(run: RunResults, out_png: Path, num_bins: int = 200) -> P
     fig = Figure(figsize=(FIG_WIDTH_IN, 2.6 * len(policies) + 1.0), layout="constrained")
     axes = fig.subplots(len(policies), 1, squeeze=False, sharex=True)[:, 0]
     for ax, policy in zip(axes, policies, strict=True):
-        steps = run.steps[run.steps["policy"] == policy]
+        steps = run.policy_steps(policy)
         end_s = float(steps["start_s"].iloc[-1] + steps["duration_s"].iloc[-1])
         t = steps["start_s"].to_numpy()
         edges, up = bin_sum(t, steps["bytes_upgraded"].to_numpy(), end_s, num_bins)
