@@ -91,9 +91,15 @@ class UniformStream:
             out = self._array[self._pos : self._pos + n]
             self._pos += n
             return out.reshape(shape)
-        head = self._array[self._pos :]
-        self._pos = len(self._array)
-        return np.concatenate([head, self.rng.random(n - left)]).reshape(shape)
+        head, rest = self._array[self._pos :], n - left
+        if rest > self.block:
+            self._pos = len(self._array)
+            return np.concatenate([head, self.rng.random(rest)]).reshape(shape)
+        # The next block now: left exhausted, a stream of array draws alone (a static policy's
+        # small batches) would otherwise draw every later call afresh and join it to nothing.
+        self._refill()
+        self._pos = rest
+        return np.concatenate([head, self._array[:rest]]).reshape(shape)
 
 
 def waterfill_top_k(freqs: np.ndarray, top_k: int) -> np.ndarray:

@@ -141,6 +141,13 @@ def test_uniform_stream_hands_out_the_rngs_own_sequence():
     for n in (1, 5, 1, 30, 1, 1, 16, 3):
         got.extend([stream.scalar()] if n == 1 else stream.array((n, 1)).ravel().tolist())
     assert got == np.random.default_rng(3).random(len(got)).tolist()
+    # Arrays alone (a static policy's small batches): across boundaries, and beyond a block.
+    stream = UniformStream(np.random.default_rng(4), block=16)
+    got = []
+    for n in (5, 7, 9, 3, 20, 6, 40, 2, 15, 16, 1):
+        got.extend(stream.array((n,)).tolist())
+    assert got == np.random.default_rng(4).random(len(got)).tolist()
+    assert stream._pos > 0  # still drawing from its block
 
 
 # sha256 (first 16 hex digits) of six rounds of draws at these batch sizes, from a seeded sampler
