@@ -128,7 +128,7 @@ def run_scenario(
             Job(
                 name,
                 simulate_policy,
-                (loaded, run, name, str(writer.parts_root / str(i)), shared, step_tables),
+                (loaded, run, name, str(writer.parts_root / str(i)), shared, step_tables, report),
                 cost=relative_run_cost(name),
             )
             for i, name in enumerate(names)
@@ -174,10 +174,12 @@ def simulate_policy(
     parts_dir: str,
     latency=None,
     step_tables: bool = True,
+    step_arrays: bool = False,
     progress: Callable[[float], None] | None = None,
 ) -> dict:
     """One policy of a run (in this process or a worker): its tables go to ``parts_dir``
-    (the request table alone without ``step_tables``);
+    (the request table alone without ``step_tables``; with ``step_arrays``, the step table
+    for the run's report too, ``writer.STEP_ARRAYS``);
     returns its summary (or ``error`` if the policy cannot run) and, when it built its own
     latency model, that model's out-of-grid counts."""
     own_latency = latency is None
@@ -205,7 +207,7 @@ def simulate_policy(
         wall_s = time.perf_counter() - wall0
         columns = RequestColumns.of(eng.requests)
         out["summary"] = policy_summary(eng.requests, eng.core, run.slo, wall_s, eng.bytes_h2d, columns)
-    write_engine_tables(Path(parts_dir), policy, eng, step_tables, columns)
+    write_engine_tables(Path(parts_dir), policy, eng, step_tables, columns, step_arrays=step_arrays)
     out["parts_dir"] = parts_dir
     if own_latency:
         out["out_of_grid"] = dict(getattr(latency, "out_of_grid", None) or {})
@@ -219,6 +221,7 @@ def write_engine_tables(
     step_tables: bool = True,
     columns: RequestColumns | None = None,
     replica: int | None = None,
+    step_arrays: bool = False,
 ) -> None:
     """A simulated engine's tables into ``parts_dir``: one GPU's, or an expert-parallel
     replica's (``eng.ranks``); the request table alone without ``step_tables``; with
@@ -229,7 +232,7 @@ def write_engine_tables(
         write_ep_tables(parts_dir, policy, eng, replica, step_tables)
     else:
         columns = columns if columns is not None else RequestColumns.of(eng.requests)
-        write_policy_tables(parts_dir, policy, eng.requests, eng.core, replica, columns, step_tables)
+        write_policy_tables(parts_dir, policy, eng.requests, eng.core, replica, columns, step_tables, step_arrays)
 
 
 def _result_line(index: int, r: dict) -> str:

@@ -292,10 +292,12 @@ def test_step_arrays_give_the_frame_the_csv_gives(tmp_path):
     run = scenario_run(loaded)
     writer = ResultsWriter(tmp_path / "out", {})
     for i, policy in enumerate(run.policies):
-        r = simulate_policy(loaded, run, policy, str(writer.parts_root / str(i)))
+        r = simulate_policy(loaded, run, policy, str(writer.parts_root / str(i)), step_arrays=True)
         writer.add_parts(policy, Path(r["parts_dir"]), r["summary"])
     arrays = writer.step_arrays()
     assert [p for p, _ in arrays] == list(run.policies)
+    simulate_policy(loaded, run, "static-fp16", str(tmp_path / "plain"))  # no report: no arrays
+    assert (tmp_path / "plain" / "steps.csv").is_file() and not (tmp_path / "plain" / "steps.npz").exists()
     held = report_data.steps_from_arrays(arrays)
     with np.load(arrays[0][1]) as a:
         cols = {k: a[k] for k in a.files}
@@ -328,3 +330,19 @@ def test_policy_steps_are_the_rows_a_mask_selects():
     run.steps = steps.iloc[2:5]
     pd.testing.assert_frame_equal(run.policy_steps("b"), steps.iloc[2:5])
     assert run.policy_steps("a").empty
+
+
+def test_run_report_does_not_parse_its_step_table_again(tmp_path, monkeypatch):
+    """``pwsim run`` hands its report the step arrays its policies saved: steps.csv is written,
+    not read back."""
+    from pagedweight.results import report_data
+
+    def refuse(path):
+        raise AssertionError(f"{path} parsed again")
+
+    monkeypatch.setattr(report_data, "_steps_csv", refuse)
+    scenario = tmp_path / "pressure.yaml"
+    scenario.write_text(PRESSURE_YAML)
+    assert main(["run", str(scenario), "--out", str(tmp_path / "run"), "--no-progress", "--jobs", "1"]) == 0
+    assert (tmp_path / "run" / "report.html").is_file() and (tmp_path / "run" / "steps.csv").stat().st_size > 0
+    assert not list((tmp_path / "run").glob(".parts-*"))  # the arrays went with the parts

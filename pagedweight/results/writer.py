@@ -191,10 +191,12 @@ def write_policy_tables(
     replica: int | None = None,
     columns: RequestColumns | None = None,
     step_tables: bool = True,
+    step_arrays: bool = False,
 ) -> None:
     """One policy's rows of the four tables, as CSV files (with header) in ``parts_dir``; with
     ``replica`` (a cluster's), a ``replica`` column after ``policy``; without ``step_tables``,
     the request table alone (``STEP_TABLES`` are the large ones: a row per step or change).
+    ``step_arrays``: the step table as arrays too (``STEP_ARRAYS``), for the run's report.
 
     A run writes each policy's tables as soon as the policy is done and the writer joins them
     at the end, so no process holds more than one policy's rows (an hour of long context is
@@ -207,7 +209,7 @@ def write_policy_tables(
     experts = np.arange(len(ids))
     steps = core.steps.columns()
     _write_columns(parts_dir / "steps.csv", policy, steps, replica)
-    arrays = report_step_arrays(steps) if replica is None else None
+    arrays = report_step_arrays(steps) if step_arrays and replica is None else None
     if arrays is not None:  # the same rows for the run's report, read back without parsing text
         np.savez(parts_dir / STEP_ARRAYS, **arrays)
     write_transitions(parts_dir / "transitions.csv", policy, core.transitions, replica)
