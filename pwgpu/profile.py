@@ -478,7 +478,6 @@ def profile(
                 prof.drain()
                 if on_progress is not None and (rows or prof.rows):
                     on_progress(_frame(rows + prof.rows), {**_meta(dev, grid, models, dtype), "complete": False})
-            prof.drain()
             rows += prof.rows
     return _frame(rows), {**_meta(dev, grid, models, dtype), "complete": True}
 

@@ -8,7 +8,7 @@ that every ``pwsim run`` spent after its simulations. Here integer columns are p
 loop itself (digits, sign), the other columns are printed in Python as before (floats by
 ``repr``, the shortest text that reads back the same, which a loop cannot cheaply reproduce)
 into one byte string per column with each cell's end, and a constant text column (the
-``policy`` label of every row) is printed once. A second loop lays the cells out row by row.
+``policy`` label of every row) is printed once. The loop lays the cells out row by row.
 Without numba, or for cells that need quoting, the caller's Python path runs instead.
 """
 
@@ -18,12 +18,13 @@ import functools
 
 import numpy as np
 
-from pagedweight.compiled import numba_module
+from pagedweight.compiled import available, numba_module  # noqa: F401 - available: the writer asks here
 
 # How each column's cells reach the row loop: integers, printed there; or texts, each row's
 # text given by a code (a cell per row; one text for every row; the text of its value among
 # the column's distinct values).
 INTS, TEXT, CONSTANT, VALUES = 0, 1, 2, 3
+_INT64_WIDTH = 20  # the most characters an int64 prints as (its minimum, sign included)
 _INT64_MIN_TEXT = np.frombuffer(str(-(2**63)).encode(), dtype=np.uint8)
 
 
@@ -64,30 +65,9 @@ def _rows_loop(kinds, index, ints, blob, starts, ends, codes, num_rows, out_size
     return out[:pos]
 
 
-def _int_sizes_loop(ints):  # pragma: no cover - compiled
-    total = 0
-    for i in range(ints.shape[0]):
-        for r in range(ints.shape[1]):
-            v = ints[i, r]
-            width = 1
-            if v < 0:
-                width = 2
-                v = -(v + 1)  # no overflow at the minimum; as many digits (no power of 10 is odd)
-            while v >= 10:
-                v //= 10
-                width += 1
-            total += width
-    return total
-
-
 @functools.cache
-def _loops():
-    njit = numba_module().njit
-    return njit(cache=True)(_rows_loop), njit(cache=True)(_int_sizes_loop)
-
-
-def available() -> bool:
-    return numba_module() is not None
+def _rows_loop_compiled():
+    return numba_module().njit(cache=True)(_rows_loop)
 
 
 def join_rows(columns: list[tuple[int, object]], num_rows: int) -> bytes:
@@ -97,13 +77,15 @@ def join_rows(columns: list[tuple[int, object]], num_rows: int) -> bytes:
     text may need quoting."""
     if num_rows == 0:
         return b""
-    rows_loop, int_sizes = _loops()
+    rows_loop = _rows_loop_compiled()
     kinds = np.array([kind for kind, _ in columns], dtype=np.int64)
     index = np.zeros(len(columns), dtype=np.int64)
     int_cols = [values for kind, values in columns if kind == INTS]
     ints = np.stack(int_cols) if int_cols else np.zeros((0, num_rows), dtype=np.int64)
     num_text = len(columns) - len(int_cols)
-    size = int_sizes(ints) + len(columns) * num_rows  # and a separator or newline per cell
+    # Room enough (the loop returns what it wrote): the widest integers, each row's text cell
+    # at its column's longest, and a separator or newline per cell.
+    size = (_INT64_WIDTH * len(int_cols) + len(columns)) * num_rows
     texts: list[list[str]] = []
     row_codes: list[np.ndarray] = []
     for c, (kind, values) in enumerate(columns):
@@ -136,7 +118,7 @@ def join_rows(columns: list[tuple[int, object]], num_rows: int) -> bytes:
         np.cumsum(lengths, out=ends[i, : len(cells)])
         ends[i, : len(cells)] += base
         starts[i, : len(cells)] = ends[i, : len(cells)] - lengths
-        size += int(lengths[row_codes[i]].sum())
+        size += int(lengths.max(initial=0)) * num_rows
         pieces.append(data)
         base += len(data)
     blob = np.frombuffer(b"".join(pieces), dtype=np.uint8) if pieces else np.zeros(0, dtype=np.uint8)
