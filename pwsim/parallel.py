@@ -241,7 +241,7 @@ class EpEngine:
         self.routing = RoutingSampler(
             model, freqs if routing_kind == "importance" else None, routing_kind, routing_alpha, rng
         )
-        self.placement = place_experts(np.asarray(freqs), ep, parallel.placement)
+        self.placement = place_experts(np.asarray(freqs), ep, parallel.placement, parallel.placement_file)
         share = rank_model(model, ep)
         rank_cfg = replace(cfg, model=share)
         # A latency model per rank: each keeps what depends on its own precisions cached.

@@ -42,10 +42,12 @@ def scenario_engine(
         from pwsim.parallel import EpEngine
 
         sc = loaded.scenario
+        placement_file = sc.parallel.resolved_placement_file(loaded.base_dir)
+        parallel = sc.parallel.model_copy(update={"placement_file": str(placement_file) if placement_file else None})
         return EpEngine(
             run.core, policy, run.trace, run.table,
             lambda share: build_latency_model(sc.latency, share, loaded.gpu, loaded.base_dir, like=loaded.model),
-            loaded.gpu, sc.parallel, routing.resolved_kind(True), seed=run.seed, routing_alpha=routing.zipf_alpha,
+            loaded.gpu, parallel, routing.resolved_kind(True), seed=run.seed, routing_alpha=routing.zipf_alpha,
             env=env,
         )  # fmt: skip
 

@@ -165,6 +165,8 @@ def test_bad_parallel_settings_are_one_line_errors(tmp_path):
         ({"ep": 3}, ["parallel.ep", "not divisible by 3", "allowed: 1, 2, 4, 8"]),
         ({"ep": 2, "tp": 2}, ["parallel.tp"]),
         ({"ep": 2, "placement": "random"}, ["parallel.placement", "contiguous"]),
+        ({"ep": 2, "placement": "file"}, ["parallel", "placement_file"]),
+        ({"ep": 2, "placement_file": "p.csv"}, ["parallel", "placement: file"]),
     ):
         (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**raw, "parallel": parallel}))
         with pytest.raises(ScenarioError) as e:
@@ -298,3 +300,52 @@ def test_bad_all_to_all_rows_are_one_line_errors(tmp_path):
         _run_quietly(_table_scenario(tmp_path, extra_rows=[bad]), tmp_path / "out")
     msg = str(e.value)
     assert "\n" not in msg and "k.csv: line 7" in msg and "batch (ranks) >= 2" in msg, msg
+
+
+def _write_placement(path, placement):
+    """``placement`` (ep, L, E/ep) as a CSV ``layer,expert,gpu``, rows in no particular order."""
+    rows = [(layer, e, r) for r in range(placement.shape[0]) for layer in range(placement.shape[1])
+            for e in placement[r, layer].tolist()]  # fmt: skip
+    rows.reverse()
+    path.write_text("layer,expert,gpu\n" + "".join(f"{a},{b},{c}\n" for a, b, c in rows))
+    return path
+
+
+def test_a_placement_file_places_what_it_says(tmp_path):
+    """A placement read from a file is the one written there (a balanced one round-trips); a
+    file that says contiguous runs exactly as ``contiguous`` does."""
+    from pagedweight.core.placement import read_placement
+
+    freqs = np.random.default_rng(1).zipf(1.5, size=(3, 32)).astype(float)
+    balanced = place_experts(freqs, 8, "balanced")
+    path = _write_placement(tmp_path / "p.csv", balanced)
+    assert np.array_equal(read_placement(path, 8, 3, 32), balanced)
+    assert np.array_equal(place_experts(freqs, 8, "file", path), balanced)
+
+    run_scenario(_scenario(tmp_path), tmp_path / "contiguous", report=False)
+    _write_placement(tmp_path / "mine.csv", place_experts(np.ones((1, 8)), 8, "contiguous"))
+    loaded = _scenario(tmp_path, placement="file", placement_file="mine.csv")  # relative to the scenario
+    summary = run_scenario(loaded, tmp_path / "file", report=False)
+    assert summary["policies"]["pagedweight"]["ep"]["placement"] == "file"
+    for name in ("steps.csv", "ep_steps.csv", "requests.csv"):
+        assert (tmp_path / "contiguous" / name).read_bytes() == (tmp_path / "file" / name).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("layer,expert\n0,0\n", ["columns gpu missing", "layer, expert, gpu"]),
+        ("layer,expert,gpu\n" + "".join(f"0,{e},{e}\n" for e in range(7)) + "0,7,8\n", ["line 9", "gpu '8'", "0 .. 7"]),
+        ("layer,expert,gpu\n" + "".join(f"0,{e},{e}\n" for e in range(7)) + "0,x,7\n", ["line 9", "expert 'x'"]),
+        ("layer,expert,gpu\n" + "".join(f"0,{e},{e}\n" for e in range(8)) + "0,3,4\n", ["line 10", "placed twice"]),
+        ("layer,expert,gpu\n" + "".join(f"0,{e},{e}\n" for e in range(7)), ["expert 7 has no GPU"]),
+        ("layer,expert,gpu\n" + "".join(f"0,{e},{min(e, 6)}\n" for e in range(8)), ["gpu 6 holds 2", "holds 1"]),
+    ],
+)
+def test_bad_placement_files_are_one_line_errors(tmp_path, text, words):
+    (tmp_path / "p.csv").write_text(text)
+    with pytest.raises(ScenarioError) as e:
+        _scenario(tmp_path, placement="file", placement_file="p.csv")
+    msg = str(e.value)
+    assert "\n" not in msg and "parallel.placement_file" in msg and "p.csv" in msg, msg
+    assert all(w in msg for w in words), msg

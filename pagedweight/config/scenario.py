@@ -30,6 +30,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from pagedweight.config.latency import AnalyticLatencyConfig, LatencyConfig, RoutingConfig
 from pagedweight.config.workload import WorkloadConfig
+from pagedweight.core.placement import read_placement
 from pagedweight.core.pool import DEFAULT_PAGE_BYTES
 from pagedweight.core.runtime import CoreConfig
 from pagedweight.core.scheduler import SchedulerConfig
@@ -227,12 +228,27 @@ class ParallelConfig(_Strict):
     tp: Literal[1] = 1  # tensor parallelism is not modelled
     # Which experts each GPU holds, per MoE layer: ``contiguous`` (GPU r holds experts
     # r*E/ep .. (r+1)*E/ep - 1) or ``balanced`` (by the importance table's routing frequencies,
-    # hottest first onto the GPU with the least traffic so far, E/ep experts each).
-    placement: Literal["contiguous", "balanced"] = "contiguous"
+    # hottest first onto the GPU with the least traffic so far, E/ep experts each) or ``file``
+    # (``placement_file``: a CSV ``layer,expert,gpu``, a row per routed expert; relative to the
+    # scenario's folder).
+    placement: Literal["contiguous", "balanced", "file"] = "contiguous"
+    placement_file: str | None = None
     # Which GPU's attention takes an arriving request.
     request_router: Literal["least-outstanding", "round-robin", "least-kv"] = "least-outstanding"
     # Bytes per hidden value sent in the all-to-all (2: bf16 activations; 1: fp8 dispatch).
     a2a_bytes_per_value: int = Field(default=2, ge=1, le=4)
+
+    @model_validator(mode="after")
+    def _placement_file(self) -> ParallelConfig:
+        if (self.placement == "file") != (self.placement_file is not None):
+            raise ConfigError("placement: file goes with placement_file: PATH, and placement_file with placement: file")
+        return self
+
+    def resolved_placement_file(self, base_dir: Path) -> Path | None:
+        if self.placement_file is None:
+            return None
+        p = Path(self.placement_file)
+        return p if p.is_absolute() else base_dir / p
 
 
 class ClusterConfig(_Strict):
@@ -402,6 +418,12 @@ def check(scenario: Scenario, source: Path, require_latency_table: bool = True) 
             f"{model.name} has {model.num_experts} experts per layer, not divisible by {ep}; "
             f"allowed: {', '.join(map(str, divisors))}",
         )
+    placement_file = scenario.parallel.resolved_placement_file(base)
+    if placement_file is not None:
+        try:
+            read_placement(placement_file, ep, model.num_moe_layers, model.num_experts)
+        except PagedWeightError as e:
+            raise fail("parallel.placement_file", str(e)) from None
     if loaded.budget_bytes > gpu.hbm_bytes:
         raise fail(
             "memory.budget", f"{loaded.budget_bytes / gib:.1f} GiB exceeds {gpu.name}'s {gpu.hbm_bytes / gib:.1f} GiB"
