@@ -231,6 +231,7 @@ CHECKS = {
     "seed": both(lambda r: r.meta["pwsim"]["seed"], lambda r: r.meta["pwgpu"]["seed"], lambda r: 4),
     **{f"parallel.{k}": lambda r, k=k: _check_parallel(r, k) for k in ("ep", "tp", "placement", "request_router")},
     "parallel.a2a_bytes_per_value": lambda r: _check_parallel(r, "a2a_bytes_per_value"),
+    "parallel.placement_file": lambda r: _check_placement_file(r),
     "cluster.replicas": lambda r: _check_cluster(r, "replicas"),
     "cluster.router": lambda r: _check_cluster(r, "router"),
 }
@@ -271,6 +272,21 @@ def _check_parallel(r, key):
     for summary in meta["policies"].values():
         assert summary["ep"]["ep"] == 2 and len(summary["ranks"]) == 2
         assert summary["ep"]["placement"] == "balanced" and summary["ep"]["request_router"] == "round-robin"
+
+
+def _check_placement_file(r):
+    """A placement from a file: the simulator's replica places the experts as it says (even
+    experts on GPU 0, odd on GPU 1); the engine, which places them contiguously, refuses it in
+    one line."""
+    layers = load_model("tiny-moe").num_moe_layers
+    rows = "".join(f"{layer},{e},{e % 2}\n" for layer in range(layers) for e in range(8))
+    (r.tmp_path / "placement.csv").write_text("layer,expert,gpu\n" + rows)
+    raw = {**SCENARIO, "parallel": {**PARALLEL, "placement": "file", "placement_file": "placement.csv"}}
+    loaded = _load(r.tmp_path, raw, "placed.yaml")
+    eng = scenario_engine(scenario_run(loaded), "static-fp16", None, loaded.scenario.routing, loaded)
+    assert eng.placement[0].tolist() == [[0, 2, 4, 6]] * layers and eng.placement[1].tolist() == [[1, 3, 5, 7]] * layers
+    with pytest.raises(ConfigError, match="parallel.placement=file"):
+        scenario_engine_config(scenario_run(loaded))
 
 
 def _check_budget_fraction(r):
