@@ -218,7 +218,8 @@ class RoutingSampler:
         self._uniforms = self.rng.random(max(NOISE_POOL_VALUES, 2 * size))
         # Every later draw in order from one stream (per-step scalars are the costly kind).
         self._stream = UniformStream(self.rng)
-        self._x, self._weight = np.empty(size), np.empty(size)  # ``_normal``'s work arrays
+        # ``_normal``'s work arrays: values, their weights, each layer's ratio
+        self._x, self._weight, self._ratio = np.empty(size), np.empty(size), np.empty(self._num_layers)
         self._ones_experts = np.ones(self._num_experts)
         self._by_tokens: dict[int, np.ndarray] = {}
         self._max_cached_token_counts = TOKEN_CACHE_BYTES // (8 * size)
@@ -243,7 +244,7 @@ class RoutingSampler:
         may_be_negative = scale * (self._neg_ratio[i] + self._neg_ratio[j]) > num_tokens
         bounded = may_be_negative or may_exceed
         x, weight = self._x, self._weight
-        start, unused_prob, ratio = 0, None, None
+        start, unused_prob, sums = 0, None, None
         if may_be_negative:
             # Some expected count is low enough for the normal to misjudge whether the expert is
             # used at all (rounding it up overstated Qwen3-30B-A3B's active experts by up to 19%
@@ -261,15 +262,15 @@ class RoutingSampler:
             # can leave [0, T] while |shortfall| * T <= sum(x (T - x)). Re-drawing the excess as
             # picks instead cost 25 us per round and ran on 85% of Mixtral steps at T = 8 with
             # importance-like frequencies.
+            # The counts' pass finds each layer's ratio, (T k - sum x) / sum x (T - x), and
+            # refuses (False) when one is too large (or NaN: no movable mass).
             rows = x.reshape(self._num_layers, self._num_experts)
-            ratio = (total - rows @ self._ones_experts) / (weight.reshape(rows.shape) @ self._ones_experts)
-            ratios = ratio.tolist()  # a list of L floats: min/max in Python beat two numpy reductions
-            if not num_tokens * max(max(ratios), -min(ratios)) <= 1.0:  # also NaN: no movable mass
-                return self._systematic(num_tokens)
+            sums = (rows @ self._ones_experts, weight.reshape(rows.shape) @ self._ones_experts)
         # Rounding the running sum keeps every count in [0, T] (each x is) and each layer's
         # total exact (every layer's total is an integer, so layer boundaries round exactly).
         out = np.empty(len(x), dtype=np.int64)
-        self._counts(x, weight, ratio, self._num_experts, out)
+        if not self._counts(x, weight, sums, total, num_tokens, self._num_experts, self._ratio, out):
+            return self._systematic(num_tokens)
         return out.reshape(self._num_layers, self._num_experts)
 
     def _unused_prob(self, num_tokens: int) -> np.ndarray:

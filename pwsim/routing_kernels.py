@@ -4,8 +4,10 @@ A normal-regime draw is ~15 whole-array numpy passes over the L x E counts: ~40 
 Mixtral-8x7B (256 values) in a running simulation, where each call pays its dispatch, and ~200 us
 on DeepSeek-V3 (14,848 values), where the running sum alone (``np.add.accumulate``, a dependent
 add through memory per element) is ~50 us. Here they are two loops compiled with numba: one
-builds the values (and the weights that restore each layer's total), one adds the correction,
-sums, rounds and differences. The matrix-vector sums between them stay numpy's, and the
+builds the values (and the weights that restore each layer's total), one finds each layer's
+correction and whether it is small enough, adds it, sums, rounds and differences. The
+matrix-vector sums between them stay numpy's (BLAS orders its adds by the matrix's shape, which a
+loop would not match bit for bit), and the
 ``(1 - pi)**T`` table stays ``np.exp``'s, so that every value is the one the numpy passes give.
 A third loop draws the systematic regime (small batches): each point found by binary search in
 its own layer's running sums and counted, where numpy searched the whole flat array for every
@@ -40,16 +42,25 @@ def values_numpy(p_i, p_j, scale, inclusion, num_tokens, lo, bounded, uniforms, 
         np.multiply(x, num_tokens - x, out=weight)
 
 
-def counts_numpy(x, weight, ratio, num_experts, out):
+def counts_numpy(x, weight, sums, total, num_tokens, num_experts, ratio, out) -> bool:
     """``out``: differences of the rounded running sum of ``x + weight * ratio[layer]`` (of
-    ``x`` when ``ratio`` is None)."""
-    if ratio is not None:
+    ``x`` when ``sums`` is None), where ``ratio = (total - sums[0]) / sums[1]`` (``sums``:
+    each layer's sums of ``x`` and of ``weight``) moves each layer's total to ``total``. False
+    (``out`` unset) when a ratio is beyond ``1 / num_tokens`` (moving that much mass could
+    leave [0, T]) or NaN (a layer with no movable mass: every value at 0 or T)."""
+    if sums is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):  # a NaN or inf is refused below
+            np.divide(total - sums[0], sums[1], out=ratio)
+        ratios = ratio.tolist()  # a list of L floats: min/max in Python beat two numpy reductions
+        if not num_tokens * max(max(ratios), -min(ratios)) <= 1.0 or np.isnan(ratio).any():
+            return False
         rows = x.reshape(-1, num_experts)
         rows += weight.reshape(rows.shape) * ratio[:, None]
     cum = np.add.accumulate(x)
     np.rint(cum, out=cum)
     out[0] = cum[0]
     np.subtract(cum[1:], cum[:-1], out=out[1:], casting="unsafe")
+    return True
 
 
 def _values_loop(p_i, p_j, scale, inclusion, tokens, lo, bounded, uniforms, start, unused_prob, masked, x, weight):
@@ -69,19 +80,34 @@ def _values_loop(p_i, p_j, scale, inclusion, tokens, lo, bounded, uniforms, star
         x[e] = a
 
 
-def _counts_loop(x, weight, ratio, adjust, num_experts, out):
-    total = 0.0
+def _counts_loop(x, weight, sum_x, sum_w, total, tokens, adjust, num_experts, ratio, out):
+    num_layers = x.shape[0] // num_experts
+    if adjust:
+        widest = 0.0
+        for layer in range(num_layers):
+            r = (total - sum_x[layer]) / sum_w[layer]  # 0/0 is NaN, not an error
+            if r != r:
+                return False
+            ratio[layer] = r
+            if r > widest:
+                widest = r
+            if -r > widest:
+                widest = -r
+        if not tokens * widest <= 1.0:
+            return False
+    total_sum = 0.0
     prev = 0.0
-    for layer in range(x.shape[0] // num_experts):
+    for layer in range(num_layers):
         r_layer = ratio[layer] if adjust else 0.0
         for e in range(layer * num_experts, (layer + 1) * num_experts):
             a = x[e]
             if adjust:
                 a = a + weight[e] * r_layer
-            total = total + a
-            r = np.rint(total)
+            total_sum = total_sum + a
+            r = np.rint(total_sum)
             out[e] = np.int64(r - prev)
             prev = r
+    return True
 
 
 def systematic_numpy(uniforms, cum_flat, num_layers, num_tokens, top_k, out):
@@ -122,7 +148,10 @@ def _systematic_loop(uniforms, cum_flat, num_layers, num_tokens, top_k, out):
 @functools.cache
 def _loops() -> tuple:
     njit = numba_module().njit
-    return njit(cache=True)(_values_loop), njit(cache=True)(_counts_loop), njit(cache=True)(_systematic_loop)
+    # The counts loop divides by a layer's weight sum, which may be 0: numpy's error model gives
+    # inf or NaN there, as numpy's division does, where Python's would raise.
+    counts_loop = njit(cache=True, error_model="numpy")(_counts_loop)
+    return njit(cache=True)(_values_loop), counts_loop, njit(cache=True)(_systematic_loop)
 
 
 _NO_FLOATS = np.zeros(1)
@@ -137,10 +166,11 @@ def values(p_i, p_j, scale, inclusion, num_tokens, lo, bounded, uniforms, start,
     )  # fmt: skip
 
 
-def counts(x, weight, ratio, num_experts, out):
+def counts(x, weight, sums, total, num_tokens, num_experts, ratio, out) -> bool:
     """``counts_numpy``, compiled."""
-    adjust = ratio is not None
-    _loops()[1](x, weight, ratio if adjust else _NO_FLOATS, adjust, num_experts, out)
+    adjust = sums is not None
+    sum_x, sum_w = sums if adjust else (_NO_FLOATS, _NO_FLOATS)
+    return _loops()[1](x, weight, sum_x, sum_w, float(total), float(num_tokens), adjust, num_experts, ratio, out)
 
 
 def systematic(uniforms, cum_flat, num_layers, num_tokens, top_k, out):

@@ -265,3 +265,36 @@ def test_both_passes_cover_every_branch_of_the_normal_regime():
             for t in _DIGEST_TOKENS:
                 sampler.sample(t)
     assert seen == {"fast", "bounded", "masked", "fallback"}, seen
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_counts_refuse_a_layer_with_no_movable_mass(compiled):
+    """A layer whose values all sit at 0 or T has no weight to move (0 / 0: NaN) and one whose
+    shortfall needs more than 1 / T of its weight would leave [0, T]: the counts' pass refuses
+    both (the sampler falls back to systematic sampling), wherever the layer is, and counts
+    the others' totals exactly."""
+    from pwsim import routing_kernels
+
+    if compiled and not routing_kernels.available():
+        pytest.skip("numba is not installed: only the numpy passes run")
+    counts = routing_kernels.counts if compiled else routing_kernels.counts_numpy
+    num_tokens, num_experts, top_k = 4, 4, 2
+    total = num_tokens * top_k
+    ok_layer = np.array([3.5, 2.0, 1.5, 0.5])  # sums to 7.5: 0.5 short of 8
+    stuck = np.array([4.0, 4.0, 0.0, 0.0])  # sums to 8 exactly, but nothing can move
+    short = np.array([3.9, 3.0, 0.1, 0.0])  # 1 short, weight 3.78: ratio 0.265 > 1 / 4
+    for layers in ([ok_layer, stuck], [stuck, ok_layer], [ok_layer, short]):
+        x = np.concatenate(layers)
+        weight = x * (num_tokens - x)
+        rows = x.reshape(-1, num_experts)
+        sums = (rows @ np.ones(num_experts), weight.reshape(rows.shape) @ np.ones(num_experts))
+        out = np.zeros(len(x), dtype=np.int64)
+        assert not counts(x.copy(), weight, sums, total, num_tokens, num_experts, np.empty(len(layers)), out)
+    x = np.concatenate([ok_layer, ok_layer])
+    weight = x * (num_tokens - x)
+    rows = x.reshape(-1, num_experts)
+    sums = (rows @ np.ones(num_experts), weight.reshape(rows.shape) @ np.ones(num_experts))
+    out = np.zeros(len(x), dtype=np.int64)
+    assert counts(x, weight, sums, total, num_tokens, num_experts, np.empty(2), out)
+    assert out.reshape(2, -1).sum(axis=1).tolist() == [total, total]
+    assert out.min() >= 0 and out.max() <= num_tokens
