@@ -45,6 +45,11 @@ class AttentionBatch:
     decode_seqs: list[int]
     decode_idx: torch.Tensor  # [B_dec] int64 on the device: decode_seqs
     decode_rows: torch.Tensor  # [B_dec] int64 on the device: their rows in the flat batch
+    # The CPU path's decode requests in groups of similar context length (positions among
+    # ``decode_seqs``, None for all of them, and the table columns the group needs), so that
+    # none is padded to a much longer context (``cpu_kernels.decode_groups``). None: one group,
+    # as wide as the table (and on a GPU, whose kernel reads each context's own blocks).
+    decode_groups: list[tuple[torch.Tensor | None, int]] | None = None
 
 
 class PagedKvCache:
@@ -207,38 +212,46 @@ def paged_decode_ref(
     return out.reshape(b, hq, d).to(q.dtype)
 
 
-def paged_decode(q, kv, layer, block_tables, context_lens, scale):
+def paged_decode(q, kv, layer, block_tables, context_lens, scale, groups=None):
     if q.is_cuda:
         from pwgpu.kernels.attention import paged_decode_triton
 
         return paged_decode_triton(q, kv, layer, block_tables, context_lens, scale)
     from pwgpu.cpu_kernels import paged_decode_sdpa
 
-    return paged_decode_sdpa(q, kv, layer, block_tables, context_lens, scale)
+    return paged_decode_sdpa(q, kv, layer, block_tables, context_lens, scale, groups)
 
 
 def paged_attention(q: torch.Tensor, kv: PagedKvCache, layer: int, batch: AttentionBatch, scale: float):
     """q [T, Hq, D] of the new tokens (already written to the cache) -> [T, Hq, D]."""
+    groups = batch.decode_groups
     if batch.all_decode:
-        return paged_decode(q, kv, layer, batch.block_tables, batch.context_lens, scale)
+        return paged_decode(q, kv, layer, batch.block_tables, batch.context_lens, scale, groups)
     out = torch.empty_like(q)
     starts = batch.query_starts
     if batch.decode_seqs:
         sel, rows = batch.decode_idx, batch.decode_rows
-        out[rows] = paged_decode(q[rows], kv, layer, batch.block_tables[sel], batch.context_lens[sel], scale)
+        out[rows] = paged_decode(q[rows], kv, layer, batch.block_tables[sel], batch.context_lens[sel], scale, groups)
     for i in range(len(starts) - 1):
         s, e, ctx = starts[i], starts[i + 1], batch.context_lens_host[i]
         if e - s == 1:
             continue  # done in the batched decode call above
         n_blocks = -(-ctx // kv.block_tokens)
         k, v = kv.gather(layer, batch.block_tables[i : i + 1, :n_blocks])
-        k, v = _expand_kv(k[0, :ctx], q.shape[1]), _expand_kv(v[0, :ctx], q.shape[1])  # [C, Hq, D]
         n = e - s
         # Query j sits at position ctx - n + j and sees keys [0, ctx - n + j].
         mask = torch.arange(ctx, device=q.device)[None, :] <= (ctx - n + torch.arange(n, device=q.device))[:, None]
-        o = F_.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), mask, scale=scale
-        )
+        if q.is_cuda:
+            k, v = _expand_kv(k[0, :ctx], q.shape[1]), _expand_kv(v[0, :ctx], q.shape[1])  # [C, Hq, D]
+            o = F_.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), mask, scale=scale
+            )
+        else:
+            # On a CPU: 4-D inputs with grouped-query heads, which ATen's fused CPU kernel takes
+            # (3-D inputs went the unfused way, 2.5x slower a chunk), and no expanded copy of K, V.
+            k, v = (x[0, :ctx].transpose(0, 1)[None].to(q.dtype) for x in (k, v))  # [1, Hkv, C, D]
+            qh = q[s:e].transpose(0, 1)[None]
+            o = F_.scaled_dot_product_attention(qh, k, v, mask[None, None], scale=scale, enable_gqa=True)[0]
         out[s:e] = o.transpose(0, 1)
     return out
 
@@ -261,6 +274,16 @@ def build_batch(
     row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([n for _, _, n in seqs]))
     slot_blocks = table[row, pos // block_tokens]
     decode_seqs = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
+    groups = None
+    if device.type == "cpu" and decode_seqs:
+        from pwgpu.cpu_kernels import decode_groups
+
+        blocks = [-(-ctx[i] // block_tokens) for i in decode_seqs]
+        found = decode_groups(blocks)
+        if len(found) == 1:
+            groups = [(None, blocks[found[0][0]])]
+        else:
+            groups = [(torch.tensor(g, dtype=torch.int64), blocks[g[0]]) for g in found]
     batch = AttentionBatch(
         query_starts=starts,
         context_lens=torch.tensor(ctx, dtype=torch.int64, device=device),
@@ -272,5 +295,6 @@ def build_batch(
         decode_seqs=decode_seqs,
         decode_idx=torch.tensor(decode_seqs, dtype=torch.int64, device=device),
         decode_rows=torch.tensor([starts[i] for i in decode_seqs], dtype=torch.int64, device=device),
+        decode_groups=groups,
     )
     return batch, pos.to(device)

@@ -12,7 +12,10 @@ not by arithmetic.
 - ``paged_decode_sdpa``: one query per request against its paged context: each layer's K and
   V blocks gathered with one ``index_select`` each (when the arena's blocks are evenly
   spaced) and one fused ``scaled_dot_product_attention`` call with grouped-query heads, where
-  ``attention.paged_decode_ref`` spells the same softmax out in six calls.
+  ``attention.paged_decode_ref`` spells the same softmax out in six calls. Requests of very
+  different context lengths go in groups of similar length (``decode_groups``), each padded
+  only to its own longest: one group padded to the step's longest context read and attended
+  over up to twice the KV a batch of varied lengths holds.
 
 Shape legend: T = tokens, k = top-k, N = T * k token-expert pairs, E = experts, H = hidden
 size, F = expert FFN size, B = requests, Hq / Hkv = query / KV heads, D = head dim,
@@ -93,9 +96,52 @@ def moe_ffn_grouped(
     return out.view(t, k, -1).sum(dim=1).to(x.dtype)
 
 
-def paged_decode_sdpa(q, kv, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float):
+# A group of decode requests costs a few more calls per layer (gather, fill, attention):
+# ~60-100 us on the 2-core CPU of benchmarks/RESULTS.md, about what gathering and attending over
+# 8 padding blocks costs. A group is split off only when it saves twice that in padding.
+SPLIT_SAVING_BLOCKS = 16
+
+
+def decode_groups(num_blocks: Sequence[int], min_saving_blocks: int = SPLIT_SAVING_BLOCKS) -> list[list[int]]:
+    """Decode requests (their KV block counts) in groups of similar length, longest first:
+    each group is gathered and attended over as wide as its longest request, so that a short
+    context is not padded to the step's longest. Going down the requests by length, a new group
+    starts where it spares the requests left more than ``min_saving_blocks`` padding blocks.
+    Uniform lengths stay one group."""
+    order = sorted(range(len(num_blocks)), key=num_blocks.__getitem__, reverse=True)
+    if not order:
+        return []
+    groups: list[list[int]] = []
+    start, top = 0, num_blocks[order[0]]
+    for pos in range(1, len(order)):
+        n = num_blocks[order[pos]]
+        if (len(order) - pos) * (top - n) > min_saving_blocks:
+            groups.append(order[start:pos])
+            start, top = pos, n
+    groups.append(order[start:])
+    return groups
+
+
+def paged_decode_sdpa(
+    q, kv, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, groups=None
+):
     """q [B, Hq, D] -> [B, Hq, D], attending to ``context_lens`` tokens of each request's
-    blocks (``attention.paged_decode_ref``'s contract; fp32 softmax whatever the KV dtype)."""
+    blocks (``attention.paged_decode_ref``'s contract; fp32 softmax whatever the KV dtype).
+    ``groups``: (rows [b] int64 or None for all, blocks) per group of requests, each attended
+    over its first ``blocks`` table columns (``attention.AttentionBatch.decode_groups``);
+    None: one group of every request over the whole table."""
+    if groups is None:
+        return _decode_group(q, kv, layer, block_tables, context_lens, scale)
+    if len(groups) == 1 and groups[0][0] is None:
+        return _decode_group(q, kv, layer, block_tables[:, : groups[0][1]], context_lens, scale)
+    out = torch.empty_like(q)
+    for rows, blocks in groups:
+        part = _decode_group(q[rows], kv, layer, block_tables[rows, :blocks], context_lens[rows], scale)
+        out.index_copy_(0, rows, part)
+    return out
+
+
+def _decode_group(q, kv, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float):
     b, m = block_tables.shape
     k, v = kv.gather(layer, block_tables)  # [B, C, Hkv, D]
     c = m * kv.block_tokens

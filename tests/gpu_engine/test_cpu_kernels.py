@@ -1,14 +1,15 @@
 """The CPU engine's fast paths against the references they replace: the grouped MoE FFN against
 ``moe_ffn_dense_ref`` (bit-identical with top-2 routing, also over the dense copies the
 engine keeps: bf16 experts in bf16, others in fp32), the SDPA paged decode against
-``paged_decode_ref``, and the whole-block KV gather against indexing by (page, slot)."""
+``paged_decode_ref`` (one group of requests or several of similar context length), and the
+whole-block KV gather against indexing by (page, slot)."""
 
 import pytest
 import torch
 import torch.nn.functional as F_
 
 from pwgpu.attention import PagedKvCache, paged_decode_ref
-from pwgpu.cpu_kernels import dense_expert, moe_ffn_grouped, paged_decode_sdpa
+from pwgpu.cpu_kernels import decode_groups, dense_expert, moe_ffn_grouped, paged_decode_sdpa
 from pwgpu.kernels.paging import PagedExperts
 from pwgpu.kernels.reference import moe_ffn_dense_ref
 
@@ -155,3 +156,51 @@ def test_sdpa_decode_zeroes_every_slot_past_each_context():
         k, v = (x.repeat_interleave(2, 1).transpose(0, 1) for x in (ks[i], vs[i]))  # [Hq, C, D]
         want = F_.scaled_dot_product_attention(q[i][:, None], k, v, scale=0.25)[:, 0]
         torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_groups_split_only_where_padding_is_spared():
+    """Longest first; a group starts where the requests left are spared more than the threshold
+    in padding blocks; uniform or nearly uniform lengths stay one group."""
+    assert decode_groups([]) == []
+    assert decode_groups([20, 20, 20]) == [[0, 1, 2]]
+    assert decode_groups([19, 21, 20, 22], min_saving_blocks=16) == [[3, 1, 2, 0]]  # 3 x 1 block at most
+    # 100 and 98 blocks, then four of 10-12: the short ones are spared (4 x 86) blocks each layer
+    assert decode_groups([10, 100, 12, 98, 11, 10], min_saving_blocks=16) == [[1, 3], [2, 4, 0, 5]]
+    # one long request among many short ones: split right after it
+    assert decode_groups([5] * 8 + [40], min_saving_blocks=16) == [[8], list(range(8))]
+    # a saving of exactly the threshold is not enough (a split costs about that much)
+    assert decode_groups([3, 1], min_saving_blocks=2) == [[0, 1]]
+    assert decode_groups([4, 1], min_saving_blocks=2) == [[0], [1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_decode_in_groups_equals_one_group(dtype):
+    """Requests of very different lengths attended in groups (each as wide as its longest, the
+    tables' other columns never read) give each request what one group over the whole table
+    gives, to rounding (the attention kernel blocks a shorter context differently), with NaN
+    in every slot past each context."""
+    torch.manual_seed(4)
+    kv = make_cache(1, 0, dtype, num_pages=48)
+    kv.view.fill_(float("nan"))
+    num_blocks = kv.view.shape[0]
+    ctx = [40, 3, 17, 45, 1, 30]  # 4-token blocks: 10, 1, 5, 12, 1 and 8 of them
+    need = [-(-n // kv.block_tokens) for n in ctx]
+    ids = torch.randperm(num_blocks - 1)[: sum(need)] + 1
+    tables = torch.zeros(len(ctx), max(need), dtype=torch.int64)  # padded with block 0 (NaN)
+    at = 0
+    for i, (n, b) in enumerate(zip(ctx, need, strict=True)):
+        tables[i, :b] = ids[at : at + b]
+        at += b
+        pos = torch.arange(n)
+        k, v = torch.randn(n, 2, 16), torch.randn(n, 2, 16)
+        kv.write(1, tables[i][pos // kv.block_tokens], pos % kv.block_tokens, k, v)
+    q = torch.randn(len(ctx), 4, 16).to(dtype)
+    lens = torch.tensor(ctx)
+    whole = paged_decode_sdpa(q, kv, 1, tables, lens, 0.25)
+    assert not whole.isnan().any()
+    found = decode_groups(need, min_saving_blocks=0)
+    assert len(found) > 2
+    groups = [(torch.tensor(g), need[g[0]]) for g in found]
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(paged_decode_sdpa(q, kv, 1, tables, lens, 0.25, groups), whole, **tol)
+    assert torch.equal(paged_decode_sdpa(q, kv, 1, tables, lens, 0.25, [(None, max(need))]), whole)

@@ -261,3 +261,27 @@ def test_engine_gives_pagedweight_a_step_time_model(tiny):
     assert model(eng.core.page_table.precision_ids) > 0
     assert any(t.kind is DOWNGRADE for t in eng.core.transitions)
     assert eng.core.kv.num_used_blocks == 0
+
+
+def test_decode_groups_leave_the_engines_tokens_unchanged(tiny, monkeypatch):
+    """Prompts of very different lengths decoding together: the CPU engine attends over them in
+    groups of similar context length (``build_batch``'s ``decode_groups``), and every request's
+    greedy tokens are those of one group padded to the longest."""
+    from pwgpu import cpu_kernels
+
+    prompts = [list(range(3, 3 + n)) for n in (150, 4, 90, 9, 40)]
+
+    def tokens():
+        eng = Engine(tiny, EngineConfig(CoreConfig(budget_bytes=16 << 20, page_bytes=PAGE_BYTES), policy="static-fp16"))
+        ers = [eng.add(p, greedy(12)) for p in prompts]
+        eng.run()
+        return [er.output_ids for er in ers]
+
+    seen = []
+    real = cpu_kernels.decode_groups
+    monkeypatch.setattr(cpu_kernels, "decode_groups", lambda blocks: seen.append(real(blocks)) or seen[-1])
+    grouped = tokens()
+    assert max(map(len, seen)) >= 2  # the long and the short prompts were apart
+    one_group = lambda blocks: [sorted(range(len(blocks)), key=lambda i: -blocks[i])]  # noqa: E731
+    monkeypatch.setattr(cpu_kernels, "decode_groups", one_group)
+    assert tokens() == grouped
