@@ -248,7 +248,7 @@ def paged_attention(q: torch.Tensor, kv: PagedKvCache, layer: int, batch: Attent
             )
         else:
             # On a CPU: 4-D inputs with grouped-query heads, which ATen's fused CPU kernel takes
-            # (3-D inputs went the unfused way, 2.5x slower a chunk), and no expanded copy of K, V.
+            # (3-D inputs went the unfused way, 2-2.5x slower a chunk), and no expanded copy of K, V.
             k, v = (x[0, :ctx].transpose(0, 1)[None].to(q.dtype) for x in (k, v))  # [1, Hkv, C, D]
             qh = q[s:e].transpose(0, 1)[None]
             o = F_.scaled_dot_product_attention(qh, k, v, mask[None, None], scale=scale, enable_gqa=True)[0]
