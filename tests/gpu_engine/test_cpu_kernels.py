@@ -164,6 +164,9 @@ def test_decode_groups_split_only_where_padding_is_spared():
     assert decode_groups([]) == []
     assert decode_groups([20, 20, 20]) == [[0, 1, 2]]
     assert decode_groups([19, 21, 20, 22], min_saving_blocks=16) == [[3, 1, 2, 0]]  # 3 x 1 block at most
+    # contexts within 3/4 of the longest stay together however many requests would be spared
+    assert decode_groups([22] + [17] * 40, min_saving_blocks=16) == [list(range(41))]
+    assert decode_groups([22] + [16] * 40, min_saving_blocks=16) == [[0], list(range(1, 41))]
     # 100 and 98 blocks, then four of 10-12: the short ones are spared (4 x 86) blocks each layer
     assert decode_groups([10, 100, 12, 98, 11, 10], min_saving_blocks=16) == [[1, 3], [2, 4, 0, 5]]
     # one long request among many short ones: split right after it
@@ -199,7 +202,7 @@ def test_sdpa_decode_in_groups_equals_one_group(dtype):
     whole = paged_decode_sdpa(q, kv, 1, tables, lens, 0.25)
     assert not whole.isnan().any()
     found = decode_groups(need, min_saving_blocks=0)
-    assert len(found) > 2
+    assert len(found) > 2, found
     groups = [(torch.tensor(g), need[g[0]]) for g in found]
     tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     torch.testing.assert_close(paged_decode_sdpa(q, kv, 1, tables, lens, 0.25, groups), whole, **tol)
