@@ -98,20 +98,17 @@ def moe_ffn_grouped(
 
 # A group of decode requests costs a few more calls per layer (gather, fill, attention):
 # ~60-100 us on the 2-core CPU of benchmarks/RESULTS.md, about what gathering and attending over
-# 8 padding blocks costs. A group is split off only when it saves twice that in padding, and
-# only at a context at most 3/4 of the group's longest: contexts closer than that stay together,
-# as the latency table's rows (one context length per batch) time them.
+# 8 padding blocks costs. A group is split off only when it saves twice that in padding.
 SPLIT_SAVING_BLOCKS = 16
-SPLIT_MAX_FRACTION = 0.75
 
 
 def decode_groups(num_blocks: Sequence[int], min_saving_blocks: int = SPLIT_SAVING_BLOCKS) -> list[list[int]]:
     """Decode requests (their KV block counts) in groups of similar length, longest first:
     each group is gathered and attended over as wide as its longest request, so that a short
     context is not padded to the step's longest. Going down the requests by length, a new group
-    starts at a request of at most ``SPLIT_MAX_FRACTION`` of the group's longest context where
-    that spares the requests left more than ``min_saving_blocks`` padding blocks. Uniform or
-    nearly uniform lengths stay one group."""
+    starts where it spares the requests left more than ``min_saving_blocks`` padding blocks
+    (whatever the lengths: the rule weighs padding saved against a group's calls only).
+    Uniform lengths stay one group."""
     order = sorted(range(len(num_blocks)), key=num_blocks.__getitem__, reverse=True)
     if not order:
         return []
@@ -119,7 +116,7 @@ def decode_groups(num_blocks: Sequence[int], min_saving_blocks: int = SPLIT_SAVI
     start, top = 0, num_blocks[order[0]]
     for pos in range(1, len(order)):
         n = num_blocks[order[pos]]
-        if n <= SPLIT_MAX_FRACTION * top and (len(order) - pos) * (top - n) > min_saving_blocks:
+        if (len(order) - pos) * (top - n) > min_saving_blocks:
             groups.append(order[start:pos])
             start, top = pos, n
     groups.append(order[start:])

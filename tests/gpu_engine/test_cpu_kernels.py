@@ -164,9 +164,10 @@ def test_decode_groups_split_only_where_padding_is_spared():
     assert decode_groups([]) == []
     assert decode_groups([20, 20, 20]) == [[0, 1, 2]]
     assert decode_groups([19, 21, 20, 22], min_saving_blocks=16) == [[3, 1, 2, 0]]  # 3 x 1 block at most
-    # contexts within 3/4 of the longest stay together however many requests would be spared
-    assert decode_groups([22] + [17] * 40, min_saving_blocks=16) == [list(range(41))]
-    assert decode_groups([22] + [16] * 40, min_saving_blocks=16) == [[0], list(range(1, 41))]
+    # what counts is the padding spared, not how far apart the lengths are: one block less for
+    # 40 requests is worth a group, five blocks less for 3 requests is not
+    assert decode_groups([22] + [21] * 40, min_saving_blocks=16) == [[0], list(range(1, 41))]
+    assert decode_groups([22] + [17] * 3, min_saving_blocks=16) == [[0, 1, 2, 3]]
     # 100 and 98 blocks, then four of 10-12: the short ones are spared (4 x 86) blocks each layer
     assert decode_groups([10, 100, 12, 98, 11, 10], min_saving_blocks=16) == [[1, 3], [2, 4, 0, 5]]
     # one long request among many short ones: split right after it
