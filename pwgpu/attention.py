@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F_
 
 from pagedweight.errors import ConfigError
+from pwgpu.cpu_kernels import decode_groups, paged_decode_sdpa
 
 
 @dataclass
@@ -217,8 +218,6 @@ def paged_decode(q, kv, layer, block_tables, context_lens, scale, groups=None):
         from pwgpu.kernels.attention import paged_decode_triton
 
         return paged_decode_triton(q, kv, layer, block_tables, context_lens, scale)
-    from pwgpu.cpu_kernels import paged_decode_sdpa
-
     return paged_decode_sdpa(q, kv, layer, block_tables, context_lens, scale, groups)
 
 
@@ -276,8 +275,6 @@ def build_batch(
     decode_seqs = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
     groups = None
     if device.type == "cpu" and decode_seqs:
-        from pwgpu.cpu_kernels import decode_groups
-
         blocks = [-(-ctx[i] // block_tokens) for i in decode_seqs]
         found = decode_groups(blocks)
         if len(found) == 1:

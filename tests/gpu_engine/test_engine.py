@@ -267,7 +267,7 @@ def test_decode_groups_leave_the_engines_tokens_unchanged(tiny, monkeypatch):
     """Prompts of very different lengths decoding together: the CPU engine attends over them in
     groups of similar context length (``build_batch``'s ``decode_groups``), and every request's
     greedy tokens are those of one group padded to the longest."""
-    from pwgpu import cpu_kernels
+    from pwgpu import attention, cpu_kernels
 
     prompts = [list(range(3, 3 + n)) for n in (150, 4, 90, 9, 40)]
 
@@ -279,9 +279,9 @@ def test_decode_groups_leave_the_engines_tokens_unchanged(tiny, monkeypatch):
 
     seen = []
     real = cpu_kernels.decode_groups
-    monkeypatch.setattr(cpu_kernels, "decode_groups", lambda blocks: seen.append(real(blocks)) or seen[-1])
+    monkeypatch.setattr(attention, "decode_groups", lambda blocks: seen.append(real(blocks)) or seen[-1])
     grouped = tokens()
     assert max(map(len, seen)) >= 2  # the long and the short prompts were apart
     one_group = lambda blocks: [sorted(range(len(blocks)), key=lambda i: -blocks[i])]  # noqa: E731
-    monkeypatch.setattr(cpu_kernels, "decode_groups", one_group)
+    monkeypatch.setattr(attention, "decode_groups", one_group)
     assert tokens() == grouped
