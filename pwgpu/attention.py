@@ -9,8 +9,9 @@ block per token range for all layers keeps a block's size equal to the scheduler
 shared RoPE key, ``[L, 1, T_blk, 1, kv_lora_rank + qk_rope_head_dim]`` (``pwgpu.mla``).
 
 - ``paged_attention``: every request with one new token (the decodes, also in a batch mixed
-  with prefill chunks) goes through one batched ``paged_decode`` call (Triton on CUDA,
-  ``cpu_kernels.paged_decode_sdpa`` elsewhere; both are tested against ``paged_decode_ref``);
+  with prefill chunks) goes through one batched ``paged_decode`` call (Triton on CUDA; on a CPU
+  the compiled ``cpu_decode.paged_decode``, or ``cpu_kernels.paged_decode_sdpa`` for a KV dtype
+  or a platform it does not take; all are tested against ``paged_decode_ref``);
   each prefill chunk gathers its request's context and uses SDPA with a causal mask offset by
   the tokens already cached.
 
@@ -20,12 +21,14 @@ L = layers, M = max blocks per request, T_blk = tokens per block, C = context to
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F_
 
 from pagedweight.errors import ConfigError
+from pwgpu import cpu_decode
 from pwgpu.cpu_kernels import decode_groups, paged_decode_sdpa
 
 
@@ -46,11 +49,24 @@ class AttentionBatch:
     decode_seqs: list[int]
     decode_idx: torch.Tensor  # [B_dec] int64 on the device: decode_seqs
     decode_rows: torch.Tensor  # [B_dec] int64 on the device: their rows in the flat batch
-    # The CPU path's decode requests in groups of similar context length (positions among
-    # ``decode_seqs``, None for all of them, and the table columns the group needs), so that
-    # none is padded to a much longer context (``cpu_kernels.decode_groups``). None: one group,
-    # as wide as the table (and on a GPU, whose kernel reads each context's own blocks).
-    decode_groups: list[tuple[torch.Tensor | None, int]] | None = None
+    # On a CPU, the KV blocks each decode request reads (None on a GPU): what ``decode_groups``
+    # is made of, if the step's decodes go the PyTorch way.
+    decode_blocks: list[int] | None = None
+
+    @functools.cached_property
+    def decode_groups(self) -> list[tuple[torch.Tensor | None, int]] | None:
+        """The PyTorch CPU path's decode requests in groups of similar context length
+        (positions among ``decode_seqs``, None for all of them, and the table columns the group
+        needs), so that none is padded to a much longer context (``cpu_kernels.decode_groups``);
+        made on first use, once per step. None: one group as wide as the table (a GPU's kernel
+        and the compiled CPU one read each context's own blocks)."""
+        blocks = self.decode_blocks
+        if not blocks:
+            return None
+        found = decode_groups(blocks)
+        if len(found) == 1:
+            return [(None, blocks[found[0][0]])]
+        return [(torch.tensor(g, dtype=torch.int64), blocks[g[0]]) for g in found]
 
 
 class PagedKvCache:
@@ -98,6 +114,8 @@ class PagedKvCache:
         if blocks_per_page * self.block_bytes == page_bytes:
             self.blocks = torch.as_strided(typed, (num_pages * blocks_per_page, *size[2:]), strides[1:])
             self.rows = typed.view(-1, block_tokens * tok)
+        # Decode attention reads this cache in place, compiled (a CPU cache of fp32 or bf16 K, V).
+        self.compiled_decode = cpu_decode.supports(self)
 
     def write(
         self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None
@@ -213,24 +231,28 @@ def paged_decode_ref(
     return out.reshape(b, hq, d).to(q.dtype)
 
 
-def paged_decode(q, kv, layer, block_tables, context_lens, scale, groups=None):
+def paged_decode(q, kv, layer, block_tables, context_lens, scale, batch: AttentionBatch | None = None):
+    """``paged_decode_ref``'s contract, by the device's fastest way. ``batch``: the step's, whose
+    decode groups the PyTorch CPU path uses (None: one group as wide as ``block_tables``)."""
     if q.is_cuda:
         from pwgpu.kernels.attention import paged_decode_triton
 
         return paged_decode_triton(q, kv, layer, block_tables, context_lens, scale)
+    if kv.compiled_decode:
+        return cpu_decode.paged_decode(q, kv, layer, block_tables, context_lens, scale)
+    groups = None if batch is None else batch.decode_groups
     return paged_decode_sdpa(q, kv, layer, block_tables, context_lens, scale, groups)
 
 
 def paged_attention(q: torch.Tensor, kv: PagedKvCache, layer: int, batch: AttentionBatch, scale: float):
     """q [T, Hq, D] of the new tokens (already written to the cache) -> [T, Hq, D]."""
-    groups = batch.decode_groups
     if batch.all_decode:
-        return paged_decode(q, kv, layer, batch.block_tables, batch.context_lens, scale, groups)
+        return paged_decode(q, kv, layer, batch.block_tables, batch.context_lens, scale, batch)
     out = torch.empty_like(q)
     starts = batch.query_starts
     if batch.decode_seqs:
         sel, rows = batch.decode_idx, batch.decode_rows
-        out[rows] = paged_decode(q[rows], kv, layer, batch.block_tables[sel], batch.context_lens[sel], scale, groups)
+        out[rows] = paged_decode(q[rows], kv, layer, batch.block_tables[sel], batch.context_lens[sel], scale, batch)
     for i in range(len(starts) - 1):
         s, e, ctx = starts[i], starts[i + 1], batch.context_lens_host[i]
         if e - s == 1:
@@ -273,14 +295,7 @@ def build_batch(
     row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([n for _, _, n in seqs]))
     slot_blocks = table[row, pos // block_tokens]
     decode_seqs = [i for i, (_, _, n) in enumerate(seqs) if n == 1]
-    groups = None
-    if device.type == "cpu" and decode_seqs:
-        blocks = [-(-ctx[i] // block_tokens) for i in decode_seqs]
-        found = decode_groups(blocks)
-        if len(found) == 1:
-            groups = [(None, blocks[found[0][0]])]
-        else:
-            groups = [(torch.tensor(g, dtype=torch.int64), blocks[g[0]]) for g in found]
+    decode_blocks = [-(-ctx[i] // block_tokens) for i in decode_seqs] if device.type == "cpu" else None
     batch = AttentionBatch(
         query_starts=starts,
         context_lens=torch.tensor(ctx, dtype=torch.int64, device=device),
@@ -292,6 +307,6 @@ def build_batch(
         decode_seqs=decode_seqs,
         decode_idx=torch.tensor(decode_seqs, dtype=torch.int64, device=device),
         decode_rows=torch.tensor([starts[i] for i in decode_seqs], dtype=torch.int64, device=device),
-        decode_groups=groups,
+        decode_blocks=decode_blocks,
     )
     return batch, pos.to(device)

@@ -9,13 +9,14 @@ not by arithmetic.
   back to their tokens in one copy and one sum over the k slots. It computes what
   ``kernels.reference.moe_ffn_dense_ref`` computes (the same products, rounded at the same
   points); with k = 2 the sums are the same two terms, so the output is bit-identical.
-- ``paged_decode_sdpa``: one query per request against its paged context: each layer's K and
-  V blocks gathered with one ``index_select`` each (when the arena's blocks are evenly
-  spaced) and one fused ``scaled_dot_product_attention`` call with grouped-query heads, where
-  ``attention.paged_decode_ref`` spells the same softmax out in six calls. Requests of very
-  different context lengths go in groups of similar length (``decode_groups``), each padded
-  only to its own longest: one group padded to the step's longest context read and attended
-  over up to twice the KV a batch of varied lengths holds.
+- ``paged_decode_sdpa``: one query per request against its paged context, where the compiled
+  ``cpu_decode.paged_decode`` does not go (an fp16 cache; a platform without numba): each
+  layer's K and V blocks gathered with one ``index_select`` each (when the arena's blocks are
+  evenly spaced) and one fused ``scaled_dot_product_attention`` call with grouped-query heads,
+  where ``attention.paged_decode_ref`` spells the same softmax out in six calls. Requests of
+  very different context lengths go in groups of similar length (``decode_groups``), each
+  padded only to its own longest: one group padded to the step's longest context read and
+  attended over up to twice the KV a batch of varied lengths holds.
 
 Shape legend: T = tokens, k = top-k, N = T * k token-expert pairs, E = experts, H = hidden
 size, F = expert FFN size, B = requests, Hq / Hkv = query / KV heads, D = head dim,

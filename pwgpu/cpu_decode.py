@@ -1,0 +1,158 @@
+"""Paged decode attention on a CPU, compiled: one query per request read against its context
+straight from the KV arena, through its block table.
+
+The PyTorch way (``cpu_kernels.paged_decode_sdpa``) first gathers every request's K and V blocks
+into a padded copy (one ``index_select`` each), then runs ATen's fused attention over it: each
+context crosses memory three times (read, written, read again), padding included. A decode step
+of a small model at long contexts spent more than half its time there (``benchmarks/RESULTS.md``).
+Here each request's K and V rows are read once, in place, only up to its own context length, so
+padded slots (which may hold an expert's bytes, NaN as floats) are never touched and requests of
+different lengths need no grouping. Per request and KV head: the scores of its G query heads
+(each key row read once for all G), an fp32 softmax, then the weighted sum of the value rows.
+
+fp32 K and V rows are read in place; bf16 rows are read as their bits (int16), which are the upper
+half of an fp32's, and widened exactly into a row buffer. The loop is compiled once per KV dtype,
+with the row reader passed in (``_row_fp32`` or ``_row_bf16``). Other KV dtypes (fp16, which
+numba cannot read) and platforms without numba take the PyTorch way.
+``tests/gpu_engine/test_cpu_decode.py`` checks it against ``attention.paged_decode_ref``.
+
+Shape legend: B = requests, Hq / Hkv = query / KV heads, G = Hq / Hkv, D = head dim,
+M = block-table width.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from pagedweight.compiled import available, numba_module
+
+
+def _decode_loop(widen, q, arena, table, ctx, geometry, scale, out):
+    """q [B, Hq, D] fp32, arena the KV elements (``widen(arena, at, n, buffer)``: the n of them
+    from ``at`` as fp32), table [B, M] KV block ids, ctx [B] context lengths; ``geometry``:
+    (blocks per page, elements per page, per block, the layer's offset inside a block, tokens
+    per block, Hkv); out [B, Hq, D] fp32."""
+    blocks_per_page, page_elems, block_elems, layer_elems, block_tokens, hkv = geometry
+    b_n, hq, d = q.shape
+    g = hq // hkv
+    row = hkv * d  # one token's K (or V) of one layer
+    section = block_tokens * row  # a block's K for one layer; its V follows
+    widest = 1
+    for b in range(b_n):
+        widest = max(widest, ctx[b])
+    scores = np.empty((hq, widest), dtype=np.float32)
+    acc = np.empty((hq, d), dtype=np.float32)
+    qs = np.empty((hq, d), dtype=np.float32)
+    buffer = np.empty(section, dtype=np.int32)  # a bf16 section widened
+    for b in range(b_n):
+        n = ctx[b]
+        for hh in range(hq):
+            for e in range(d):
+                qs[hh, e] = q[b, hh, e] * scale
+        for part in range(2):  # K: the scores; V: the weighted sum
+            if part == 1:
+                acc[:, :] = 0.0
+            for i in range(0, (n + block_tokens - 1) // block_tokens):
+                block = table[b, i]
+                at = (block // blocks_per_page) * page_elems + (block % blocks_per_page) * block_elems
+                rows = widen(arena, at + layer_elems + part * section, section, buffer)
+                for t in range(min(block_tokens, n - i * block_tokens)):
+                    j = i * block_tokens + t
+                    for h in range(hkv):
+                        vec = rows[t * row + h * d : t * row + h * d + d]
+                        for gi in range(g):
+                            hh = h * g + gi
+                            if part == 0:
+                                qh = qs[hh]
+                                dot = np.float32(0.0)
+                                for e in range(d):
+                                    dot += qh[e] * vec[e]
+                                scores[hh, j] = dot
+                            else:
+                                p = scores[hh, j]
+                                a = acc[hh]
+                                for e in range(d):
+                                    a[e] += p * vec[e]
+            if part == 0:
+                for hh in range(hq):
+                    top = scores[hh, 0]
+                    for j in range(1, n):
+                        top = max(top, scores[hh, j])
+                    total = np.float32(0.0)
+                    for j in range(n):
+                        p = np.exp(scores[hh, j] - top)
+                        scores[hh, j] = p
+                        total += p
+                    inv = np.float32(1.0) / total
+                    for j in range(n):
+                        scores[hh, j] *= inv
+        for hh in range(hq):
+            for e in range(d):
+                out[b, hh, e] = acc[hh, e]
+
+
+def _row_fp32(arena, at, n, buffer):
+    return arena[at : at + n]
+
+
+def _row_bf16(arena, at, n, buffer):
+    bits = arena[at : at + n]  # a slice first: indexing the arena by at + e defeated vectorisation
+    for e in range(n):
+        buffer[e] = np.int32(bits[e]) << 16  # int16 bits, sign-extended: the shift drops that
+    return buffer.view(np.float32)
+
+
+@functools.cache
+def _compiled():
+    """(the loop, {KV dtype: (what its arena is read as, its row reader)}), compiled on first use."""
+    njit = numba_module().njit
+    # Reassociation (and contraction into FMAs) lets the dot products and the weighted sums
+    # vectorise; no-NaN/no-inf assumptions are left out: nothing past a context is read, but a
+    # model may still produce an inf.
+    loop = njit(cache=True, fastmath={"reassoc", "contract", "arcp", "nsz"}, error_model="numpy")(_decode_loop)
+    readers = {
+        torch.float32: (torch.float32, njit(cache=True)(_row_fp32)),
+        torch.bfloat16: (torch.int16, njit(cache=True)(_row_bf16)),
+    }
+    return loop, readers
+
+
+_KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def supports(kv) -> bool:
+    """Whether ``paged_decode`` takes this cache: numba installed, K and V in an fp32 or bf16
+    arena on the CPU (MLA's one latent goes through ``pwgpu.mla``)."""
+    return kv.num_parts == 2 and kv.dtype in _KV_DTYPES and kv.typed.device.type == "cpu" and available()
+
+
+def paged_decode(q, kv, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float):
+    """``attention.paged_decode_ref``'s contract: q [B, Hq, D] -> [B, Hq, D], each request
+    attending to the first ``context_lens[b]`` (>= 1) tokens of its blocks; fp32 softmax and
+    sums, the result in q's dtype. The cache must be one ``supports`` accepts."""
+    loop, readers = _compiled()
+    read_as, widen = readers[kv.dtype]
+    elem = kv.typed.element_size()
+    geometry = (
+        kv.blocks_per_page,
+        kv.page_bytes // elem,
+        kv.block_bytes // elem,
+        layer * kv.num_parts * kv.block_tokens * kv.num_kv_heads * kv.head_dim,
+        kv.block_tokens,
+        kv.num_kv_heads,
+    )
+    out = torch.empty(q.shape, dtype=torch.float32)
+    loop(
+        widen,
+        q.float().contiguous().numpy(),
+        kv.typed.view(read_as).numpy(),
+        block_tables.contiguous().numpy(),
+        context_lens.contiguous().numpy(),
+        geometry,
+        np.float32(scale),
+        out.numpy(),
+    )
+    return out.to(q.dtype)

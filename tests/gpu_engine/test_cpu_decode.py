@@ -1,0 +1,79 @@
+"""The compiled CPU decode attention (``pwgpu.cpu_decode``) against ``paged_decode_ref``: fp32 and
+bf16 caches, pages with and without slack, grouped-query heads, contexts that end inside a block
+and on its last slot, and NaN everywhere it must not read (past each context, the padding of the
+tables, the other layer)."""
+
+import pytest
+import torch
+
+from pagedweight.compiled import available
+from pwgpu import cpu_decode
+from pwgpu.attention import PagedKvCache, paged_decode_ref
+
+pytestmark = pytest.mark.skipif(not available(), reason="numba is not installed: the PyTorch path runs instead")
+
+
+def nan_cache(dtype, blocks_per_page, slack_bytes, kv_heads, head_dim, num_pages=40, parts=2):
+    layers, block_tokens = 2, 4
+    elem = torch.tensor([], dtype=dtype).element_size()
+    block_bytes = layers * parts * block_tokens * kv_heads * head_dim * elem
+    page_bytes = blocks_per_page * block_bytes + slack_bytes
+    arena = torch.full((num_pages * page_bytes // elem,), float("nan"), dtype=dtype).view(torch.uint8)
+    return PagedKvCache(arena, page_bytes, block_tokens, blocks_per_page, layers, kv_heads, head_dim, dtype, parts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("blocks_per_page, slack_bytes", [(1, 0), (2, 0), (3, 64)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (6, 2, 8), (2, 2, 32)])
+def test_compiled_decode_matches_reference(dtype, blocks_per_page, slack_bytes, heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    kv = nan_cache(dtype, blocks_per_page, slack_bytes, kv_heads, head_dim)
+    assert kv.compiled_decode
+    num_blocks = kv.view.shape[0] * blocks_per_page
+    ctx = [1, 4, 5, 17, 40, 3]  # one token; a whole block; one past it; ...
+    need = [-(-n // kv.block_tokens) for n in ctx]
+    ids = torch.randperm(num_blocks - 1)[: sum(need)] + 1
+    tables = torch.zeros(len(ctx), max(need), dtype=torch.int64)  # padded with block 0 (NaN)
+    at = 0
+    for i, (n, b) in enumerate(zip(ctx, need, strict=True)):
+        tables[i, :b] = ids[at : at + b]
+        at += b
+        pos = torch.arange(n)
+        k, v = torch.randn(n, kv_heads, head_dim), torch.randn(n, kv_heads, head_dim)
+        kv.write(1, tables[i][pos // kv.block_tokens], pos % kv.block_tokens, k, v)  # layer 0 stays NaN
+    q = torch.randn(len(ctx), heads, head_dim).to(dtype)
+    lens = torch.tensor(ctx)
+    got = cpu_decode.paged_decode(q, kv, 1, tables, lens, head_dim**-0.5)
+    want = paged_decode_ref(q, kv, 1, tables, lens, head_dim**-0.5)
+    assert got.dtype == dtype and got.shape == q.shape and not got.isnan().any()
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_compiled_decode_widens_bf16_exactly():
+    """bf16 K and V read as their bits: the same as reading them as bf16 and converting, for
+    negative values, zeros, the largest finite one and subnormals too."""
+    torch.manual_seed(1)
+    kv = nan_cache(torch.bfloat16, 1, 0, 1, 8)
+    special = torch.tensor([-0.0, 0.0, -3.5, 3.3895e38, 9.2e-41, -1.0e-39, 1.0, -2.0])
+    k = torch.stack([special.roll(i) for i in range(4)])[:, None, :].bfloat16()  # [4 tokens, 1, 8]
+    v = torch.randn(4, 1, 8).bfloat16()
+    kv.write(0, torch.tensor([2] * 4), torch.arange(4), k, v)
+    q = torch.zeros(1, 1, 8)  # equal scores: the output is the mean of V
+    got = cpu_decode.paged_decode(q, kv, 0, torch.tensor([[2]]), torch.tensor([4]), 1.0)
+    torch.testing.assert_close(got[0, 0], v[:, 0].float().mean(0), rtol=1e-6, atol=1e-6)
+    q = torch.ones(1, 1, 8) * 1e-38  # finite scores from every bit pattern above
+    got = cpu_decode.paged_decode(q, kv, 0, torch.tensor([[2]]), torch.tensor([4]), 1.0)
+    want = paged_decode_ref(q, kv, 0, torch.tensor([[2]]), torch.tensor([4]), 1.0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_caches_the_compiled_decode_does_not_take(monkeypatch):
+    """fp16 (numba reads no half floats), MLA's single latent part and a platform without numba
+    take the PyTorch way."""
+    assert nan_cache(torch.float32, 1, 0, 2, 16).compiled_decode
+    assert nan_cache(torch.bfloat16, 1, 0, 2, 16).compiled_decode
+    assert not nan_cache(torch.float16, 1, 0, 2, 16).compiled_decode
+    assert not nan_cache(torch.float32, 1, 0, 1, 24, parts=1).compiled_decode
+    monkeypatch.setattr(cpu_decode, "available", lambda: False)
+    assert not nan_cache(torch.float32, 1, 0, 2, 16).compiled_decode
