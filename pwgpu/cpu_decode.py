@@ -129,6 +129,18 @@ def supports(kv) -> bool:
     return kv.num_parts == 2 and kv.dtype in _KV_DTYPES and kv.typed.device.type == "cpu" and available()
 
 
+@functools.cache
+def warm_up(dtype: torch.dtype) -> None:
+    """Compile (or load from numba's cache) the loop for a KV dtype on a one-token context, so
+    that a server's first request does not wait ~2 s for it."""
+    loop, readers = _compiled()
+    read_as, widen = readers[dtype]
+    arena = torch.zeros(2, dtype=dtype).view(read_as).numpy()
+    one = np.ones((1, 1, 1), dtype=np.float32)
+    table, ctx = np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64)
+    loop(widen, one, arena, table, ctx, (1, 2, 2, 0, 1, 1), np.float32(1.0), np.empty_like(one))
+
+
 def paged_decode(q, kv, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float):
     """``attention.paged_decode_ref``'s contract: q [B, Hq, D] -> [B, Hq, D], each request
     attending to the first ``context_lens[b]`` (>= 1) tokens of its blocks; fp32 softmax and

@@ -33,6 +33,7 @@ from pagedweight.errors import ConfigError, PagedWeightError
 from pagedweight.policy.importance import ImportanceTable, on_ladder, read_table, synthetic_table
 from pagedweight.results.metrics import Slo
 from pagedweight.results.writer import ResultsWriter, policy_summary, run_meta
+from pwgpu import cpu_decode
 from pwgpu.attention import PagedKvCache, build_batch
 from pwgpu.host_allocator import keep_host_temporaries
 from pwgpu.loader import DTYPES, default_dtype_name, expert_masters, load_checkpoint, pinned_weights
@@ -246,6 +247,8 @@ class Engine:
             self.store.arena, self.page_bytes, kv.block_tokens, kv.blocks_per_page,
             arch.num_layers, heads, dims, self.dtype, parts,
         )  # fmt: skip
+        if self.kv_cache.compiled_decode:
+            cpu_decode.warm_up(self.dtype)  # compiled now, not in the first request's step
         # The scheduler records of the requests (of the newest ``history_window`` with one), for
         # the results; not their token ids.
         window = core_cfg.history_window

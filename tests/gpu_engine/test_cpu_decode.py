@@ -77,3 +77,12 @@ def test_caches_the_compiled_decode_does_not_take(monkeypatch):
     assert not nan_cache(torch.float32, 1, 0, 1, 24, parts=1).compiled_decode
     monkeypatch.setattr(cpu_decode, "available", lambda: False)
     assert not nan_cache(torch.float32, 1, 0, 2, 16).compiled_decode
+
+
+def test_the_loop_is_compiled_ahead_per_kv_dtype():
+    """``warm_up`` (which an engine on a CPU calls when built) compiles or loads the loop for a
+    KV dtype with the argument types ``paged_decode`` passes, once per dtype."""
+    cpu_decode.warm_up.cache_clear()
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu_decode.warm_up(dtype)
+    assert cpu_decode.warm_up.cache_info().currsize == 2
