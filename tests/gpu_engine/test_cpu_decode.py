@@ -5,6 +5,7 @@ tables, the other layer)."""
 
 import pytest
 import torch
+from kv_contexts import write_contexts
 
 from pagedweight.compiled import available
 from pwgpu import cpu_decode
@@ -29,18 +30,8 @@ def test_compiled_decode_matches_reference(dtype, blocks_per_page, slack_bytes, 
     torch.manual_seed(0)
     kv = nan_cache(dtype, blocks_per_page, slack_bytes, kv_heads, head_dim)
     assert kv.compiled_decode
-    num_blocks = kv.view.shape[0] * blocks_per_page
     ctx = [1, 4, 5, 17, 40, 3]  # one token; a whole block; one past it; ...
-    need = [-(-n // kv.block_tokens) for n in ctx]
-    ids = torch.randperm(num_blocks - 1)[: sum(need)] + 1
-    tables = torch.zeros(len(ctx), max(need), dtype=torch.int64)  # padded with block 0 (NaN)
-    at = 0
-    for i, (n, b) in enumerate(zip(ctx, need, strict=True)):
-        tables[i, :b] = ids[at : at + b]
-        at += b
-        pos = torch.arange(n)
-        k, v = torch.randn(n, kv_heads, head_dim), torch.randn(n, kv_heads, head_dim)
-        kv.write(1, tables[i][pos // kv.block_tokens], pos % kv.block_tokens, k, v)  # layer 0 stays NaN
+    tables = write_contexts(kv, ctx)  # layer 0, the tables' padding and every slot past a context: NaN
     q = torch.randn(len(ctx), heads, head_dim).to(dtype)
     lens = torch.tensor(ctx)
     got = cpu_decode.paged_decode(q, kv, 1, tables, lens, head_dim**-0.5)

@@ -7,6 +7,7 @@ whole-block KV gather against indexing by (page, slot)."""
 import pytest
 import torch
 import torch.nn.functional as F_
+from kv_contexts import write_contexts
 
 from pwgpu.attention import PagedKvCache, paged_decode_ref
 from pwgpu.cpu_kernels import decode_groups, dense_expert, moe_ffn_grouped, paged_decode_sdpa
@@ -186,18 +187,9 @@ def test_sdpa_decode_in_groups_equals_one_group(dtype):
     torch.manual_seed(4)
     kv = make_cache(1, 0, dtype, num_pages=48)
     kv.view.fill_(float("nan"))
-    num_blocks = kv.view.shape[0]
     ctx = [40, 3, 17, 45, 1, 30]  # 4-token blocks: 10, 1, 5, 12, 1 and 8 of them
     need = [-(-n // kv.block_tokens) for n in ctx]
-    ids = torch.randperm(num_blocks - 1)[: sum(need)] + 1
-    tables = torch.zeros(len(ctx), max(need), dtype=torch.int64)  # padded with block 0 (NaN)
-    at = 0
-    for i, (n, b) in enumerate(zip(ctx, need, strict=True)):
-        tables[i, :b] = ids[at : at + b]
-        at += b
-        pos = torch.arange(n)
-        k, v = torch.randn(n, 2, 16), torch.randn(n, 2, 16)
-        kv.write(1, tables[i][pos // kv.block_tokens], pos % kv.block_tokens, k, v)
+    tables = write_contexts(kv, ctx)  # padded with block 0 (NaN)
     q = torch.randn(len(ctx), 4, 16).to(dtype)
     lens = torch.tensor(ctx)
     whole = paged_decode_sdpa(q, kv, 1, tables, lens, 0.25)
