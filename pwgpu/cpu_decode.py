@@ -40,8 +40,15 @@ def _decode_loop(widen, q, arena, table, ctx, geometry, scale, out):
     g = hq // hkv
     row = hkv * d  # one token's K (or V) of one layer
     section = block_tokens * row  # a block's K for one layer; its V follows
+    # Checked before any read: the loop reads the arena unchecked (a bad id would read past it).
+    num_blocks = arena.shape[0] // page_elems * blocks_per_page
     widest = 1
     for b in range(b_n):
+        if ctx[b] < 1 or ctx[b] > table.shape[1] * block_tokens:
+            raise ValueError("paged_decode: a context length is below 1 or beyond its block table")
+        for i in range((ctx[b] + block_tokens - 1) // block_tokens):
+            if table[b, i] < 0 or table[b, i] >= num_blocks:
+                raise ValueError("paged_decode: a block id is outside the KV arena")
         widest = max(widest, ctx[b])
     scores = np.empty((hq, widest), dtype=np.float32)
     acc = np.empty((hq, d), dtype=np.float32)

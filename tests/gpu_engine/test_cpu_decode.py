@@ -77,3 +77,16 @@ def test_the_loop_is_compiled_ahead_per_kv_dtype():
     for dtype in (torch.float32, torch.bfloat16):
         cpu_decode.warm_up(dtype)
     assert cpu_decode.warm_up.cache_info().currsize == 2
+
+
+def test_compiled_decode_refuses_what_would_read_outside_the_arena():
+    """The loop reads the arena without bounds checks, so its inputs are checked first."""
+    kv = nan_cache(torch.float32, 2, 0, 2, 16, num_pages=4)  # 8 blocks of 4 tokens
+    q = torch.randn(1, 4, 16)
+    for table, ctx, what in (
+        ([[8]], 3, "block id"), ([[-1]], 3, "block id"), ([[1, 9]], 5, "block id"),
+        ([[1]], 5, "context length"), ([[1]], 0, "context length"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=what):
+            cpu_decode.paged_decode(q, kv, 0, torch.tensor(table), torch.tensor([ctx]), 0.25)
+    cpu_decode.paged_decode(q, kv, 0, torch.tensor([[7, 0]]), torch.tensor([4]), 0.25)  # padding not read
