@@ -23,6 +23,7 @@ M = block-table width.
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -119,7 +120,9 @@ def _compiled():
     # Reassociation (and contraction into FMAs) lets the dot products and the weighted sums
     # vectorise; no-NaN/no-inf assumptions are left out: nothing past a context is read, but a
     # model may still produce an inf.
-    loop = njit(cache=True, fastmath={"reassoc", "contract", "arcp", "nsz"}, error_model="numpy")(_decode_loop)
+    # Without the GIL, so that slices of a batch run on several threads at once (``paged_decode``).
+    flags = {"reassoc", "contract", "arcp", "nsz"}
+    loop = njit(cache=True, nogil=True, fastmath=flags, error_model="numpy")(_decode_loop)
     readers = {
         torch.float32: (torch.float32, njit(cache=True)(_row_fp32)),
         torch.bfloat16: (torch.int16, njit(cache=True)(_row_bf16)),
@@ -148,10 +151,37 @@ def warm_up(dtype: torch.dtype) -> None:
     loop(widen, one, arena, table, ctx, (1, 2, 2, 0, 1, 1), np.float32(1.0), np.empty_like(one))
 
 
+# Context tokens (summed over the batch) below which one thread does the whole batch: a slice
+# handed to another thread costs ~20-50 us, what ~4,000 tokens of one KV head's rows take.
+MIN_TOKENS_PER_THREAD = 4096
+
+
+@functools.cache
+def _pool(num_threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(num_threads, thread_name_prefix="pwgpu-decode")
+
+
+def _slices(ctx: np.ndarray, num_threads: int) -> list[tuple[int, int]]:
+    """Contiguous request ranges of about equal context tokens, at most ``num_threads`` of
+    them and none of fewer than ``MIN_TOKENS_PER_THREAD`` tokens (one range: do it here)."""
+    total = int(ctx.sum())
+    parts = max(1, min(num_threads, len(ctx), total // MIN_TOKENS_PER_THREAD))
+    if parts == 1:
+        return [(0, len(ctx))]
+    cut = np.searchsorted(np.cumsum(ctx), total * np.arange(1, parts) / parts, side="right")
+    bounds = [0, *sorted({int(c) for c in cut if 0 < c < len(ctx)}), len(ctx)]
+    return list(zip(bounds[:-1], bounds[1:], strict=False))
+
+
 def paged_decode(q, kv, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float):
     """``attention.paged_decode_ref``'s contract: q [B, Hq, D] -> [B, Hq, D], each request
     attending to the first ``context_lens[b]`` (>= 1) tokens of its blocks; fp32 softmax and
-    sums, the result in q's dtype. The cache must be one ``supports`` accepts."""
+    sums, the result in q's dtype. The cache must be one ``supports`` accepts.
+
+    With several torch threads, a batch of enough context is cut into ranges of requests of
+    about equal context, run at once on as many threads (each writes its own rows of the
+    output). A second pool of spinning workers (numba's ``parallel``) made torch's own ops after
+    it twice as slow on two cores; these threads sleep on a queue between calls."""
     loop, readers = _compiled()
     read_as, widen = readers[kv.dtype]
     elem = kv.typed.element_size()
@@ -164,14 +194,20 @@ def paged_decode(q, kv, layer: int, block_tables: torch.Tensor, context_lens: to
         kv.num_kv_heads,
     )
     out = torch.empty(q.shape, dtype=torch.float32)
-    loop(
-        widen,
-        q.float().contiguous().numpy(),
-        kv.typed.view(read_as).numpy(),
-        block_tables.contiguous().numpy(),
-        context_lens.contiguous().numpy(),
-        geometry,
-        np.float32(scale),
-        out.numpy(),
-    )
+    qs, arena, out_np = q.float().contiguous().numpy(), kv.typed.view(read_as).numpy(), out.numpy()
+    table, ctx = block_tables.contiguous().numpy(), context_lens.contiguous().numpy()
+    threads = torch.get_num_threads()
+    ranges = _slices(ctx, threads) if threads > 1 else [(0, len(ctx))]
+    if len(ranges) == 1:
+        loop(widen, qs, arena, table, ctx, geometry, np.float32(scale), out_np)
+        return out.to(q.dtype)
+    pool = _pool(threads)
+    jobs = [
+        pool.submit(loop, widen, qs[a:b], arena, table[a:b], ctx[a:b], geometry, np.float32(scale), out_np[a:b])
+        for a, b in ranges[1:]
+    ]
+    a, b = ranges[0]
+    loop(widen, qs[a:b], arena, table[a:b], ctx[a:b], geometry, np.float32(scale), out_np[a:b])
+    for job in jobs:
+        job.result()  # re-raises a range's error here
     return out.to(q.dtype)

@@ -3,6 +3,7 @@ bf16 caches, pages with and without slack, grouped-query heads, contexts that en
 and on its last slot, and NaN everywhere it must not read (past each context, the padding of the
 tables, the other layer)."""
 
+import numpy as np
 import pytest
 import torch
 from kv_contexts import write_contexts
@@ -90,3 +91,37 @@ def test_compiled_decode_refuses_what_would_read_outside_the_arena():
         with pytest.raises(ValueError, match=what):
             cpu_decode.paged_decode(q, kv, 0, torch.tensor(table), torch.tensor([ctx]), 0.25)
     cpu_decode.paged_decode(q, kv, 0, torch.tensor([[7, 0]]), torch.tensor([4]), 0.25)  # padding not read
+
+
+def test_a_batch_cut_across_threads_gives_the_same_bits(monkeypatch):
+    """With several torch threads, ranges of requests run on a pool: each request is computed
+    as on one thread, so the output is bit-identical; an error in any range reaches the caller."""
+    torch.manual_seed(5)
+    kv = nan_cache(torch.bfloat16, 2, 0, 2, 16)
+    ctx = [40, 3, 17, 45, 1, 30, 22, 9]
+    tables = write_contexts(kv, ctx)
+    q = torch.randn(len(ctx), 4, 16).bfloat16()
+    lens = torch.tensor(ctx)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_decode.paged_decode(q, kv, 1, tables, lens, 0.25)
+        torch.set_num_threads(3)
+        monkeypatch.setattr(cpu_decode, "MIN_TOKENS_PER_THREAD", 10)
+        assert len(cpu_decode._slices(lens.numpy(), 3)) == 3
+        assert torch.equal(cpu_decode.paged_decode(q, kv, 1, tables, lens, 0.25), one)
+        bad = tables.clone()
+        bad[-1, 0] = 10_000  # in the last range, which a pool thread runs
+        with pytest.raises(ValueError, match="block id"):
+            cpu_decode.paged_decode(q, kv, 1, bad, lens, 0.25)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "ctx, threads, want",
+    [([1000] * 32, 2, [(0, 16), (16, 32)]), ([100] * 8, 4, [(0, 8)]), ([5000, 10, 10, 5000], 2, [(0, 2), (2, 4)]),
+     ([9000, 1], 4, [(0, 2)]), ([5000] * 3, 8, [(0, 1), (1, 2), (2, 3)])],
+)  # fmt: skip
+def test_ranges_of_about_equal_context(ctx, threads, want):
+    assert cpu_decode._slices(np.array(ctx), threads) == want
