@@ -23,6 +23,7 @@ M = block-table width.
 from __future__ import annotations
 
 import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -157,7 +158,8 @@ MIN_TOKENS_PER_THREAD = 4096
 
 
 @functools.cache
-def _pool(num_threads: int) -> ThreadPoolExecutor:
+def _pool(num_threads: int, pid: int) -> ThreadPoolExecutor:
+    """Per process (``pid``): a child forked after the pool started has none of its threads."""
     return ThreadPoolExecutor(num_threads, thread_name_prefix="pwgpu-decode")
 
 
@@ -201,7 +203,7 @@ def paged_decode(q, kv, layer: int, block_tables: torch.Tensor, context_lens: to
     if len(ranges) == 1:
         loop(widen, qs, arena, table, ctx, geometry, np.float32(scale), out_np)
         return out.to(q.dtype)
-    pool = _pool(threads)
+    pool = _pool(threads, os.getpid())
     jobs = [
         pool.submit(loop, widen, qs[a:b], arena, table[a:b], ctx[a:b], geometry, np.float32(scale), out_np[a:b])
         for a, b in ranges[1:]

@@ -125,3 +125,24 @@ def test_a_batch_cut_across_threads_gives_the_same_bits(monkeypatch):
 )  # fmt: skip
 def test_ranges_of_about_equal_context(ctx, threads, want):
     assert cpu_decode._slices(np.array(ctx), threads) == want
+
+
+def test_a_forked_child_gets_its_own_pool(monkeypatch):
+    """A process forked after the pool started has none of the pool's threads: it makes its own
+    (the parent's, had it been reused, would never run the child's ranges)."""
+    import multiprocessing
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(cpu_decode, "MIN_TOKENS_PER_THREAD", 10)
+    try:
+        torch.set_num_threads(2)
+        kv = nan_cache(torch.float32, 1, 0, 2, 16, num_pages=320)
+        lens = torch.tensor([150] * 8)
+        tables = write_contexts(kv, lens.tolist())
+        q = torch.randn(8, 4, 16)
+        want = cpu_decode.paged_decode(q, kv, 1, tables, lens, 0.25)  # the parent's pool runs
+        with multiprocessing.get_context("fork").Pool(1) as child:
+            got = child.apply_async(cpu_decode.paged_decode, (q, kv, 1, tables, lens, 0.25)).get(timeout=120)
+        assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(threads)
