@@ -6,12 +6,13 @@ into a padded copy (one ``index_select`` each), then runs ATen's fused attention
 context crosses memory three times (read, written, read again), padding included. A decode step
 of a small model at long contexts spent more than half its time there (``benchmarks/RESULTS.md``).
 Here each request's K and V rows are read once, in place, only up to its own context length, so
-padded slots (which may hold an expert's bytes, NaN as floats) are never touched and requests of
-different lengths need no grouping. Per request and KV head: the scores of its G query heads
+slots past it (which may hold an expert's bytes, NaN as floats) never reach an output and requests
+of different lengths need no grouping. Per request and KV head: the scores of its G query heads
 (each key row read once for all G), an fp32 softmax, then the weighted sum of the value rows.
 
 fp32 K and V rows are read in place; bf16 rows are read as their bits (int16), which are the upper
-half of an fp32's, and widened exactly into a row buffer. The loop is compiled once per KV dtype,
+half of an fp32's, and widened exactly into a buffer a block's 16-token section at a time (the
+slots past a context only copied). The loop is compiled once per KV dtype,
 with the row reader passed in (``_row_fp32`` or ``_row_bf16``). Other KV dtypes (fp16, which
 numba cannot read) and platforms without numba take the PyTorch way.
 ``tests/gpu_engine/test_cpu_decode.py`` checks it against ``attention.paged_decode_ref``.
