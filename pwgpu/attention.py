@@ -54,6 +54,20 @@ class AttentionBatch:
     decode_blocks: list[int] | None = None
 
     @functools.cached_property
+    def decode_context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode requests' block tables [B_dec, M] and context lengths [B_dec], selected
+        once per step (every layer's decode call reads the same)."""
+        if self.all_decode:
+            return self.block_tables, self.context_lens
+        return self.block_tables[self.decode_idx], self.context_lens[self.decode_idx]
+
+    @functools.cached_property
+    def decode_ranges(self) -> list[tuple[int, int]]:
+        """The compiled CPU decode's ranges of requests, one per thread (``cpu_decode.ranges``),
+        cut once per step."""
+        return cpu_decode.ranges(self.decode_context[1].numpy(), torch.get_num_threads())
+
+    @functools.cached_property
     def decode_groups(self) -> list[tuple[torch.Tensor | None, int]] | None:
         """The PyTorch CPU path's decode requests in groups of similar context length
         (positions among ``decode_seqs``, None for all of them, and the table columns the group
@@ -231,28 +245,28 @@ def paged_decode_ref(
     return out.reshape(b, hq, d).to(q.dtype)
 
 
-def paged_decode(q, kv, layer, block_tables, context_lens, scale, batch: AttentionBatch | None = None):
-    """``paged_decode_ref``'s contract, by the device's fastest way. ``batch``: the step's, whose
-    decode groups the PyTorch CPU path uses (None: one group as wide as ``block_tables``)."""
+def paged_decode(q, kv, layer, scale, batch: AttentionBatch):
+    """The step's decode requests (``batch.decode_context``), q [B_dec, Hq, D] -> [B_dec, Hq, D]:
+    ``paged_decode_ref``'s contract, by the device's fastest way."""
+    block_tables, context_lens = batch.decode_context
     if q.is_cuda:
         from pwgpu.kernels.attention import paged_decode_triton
 
         return paged_decode_triton(q, kv, layer, block_tables, context_lens, scale)
     if kv.compiled_decode:
-        return cpu_decode.paged_decode(q, kv, layer, block_tables, context_lens, scale)
-    groups = None if batch is None else batch.decode_groups
-    return paged_decode_sdpa(q, kv, layer, block_tables, context_lens, scale, groups)
+        return cpu_decode.paged_decode(q, kv, layer, block_tables, context_lens, scale, batch.decode_ranges)
+    return paged_decode_sdpa(q, kv, layer, block_tables, context_lens, scale, batch.decode_groups)
 
 
 def paged_attention(q: torch.Tensor, kv: PagedKvCache, layer: int, batch: AttentionBatch, scale: float):
     """q [T, Hq, D] of the new tokens (already written to the cache) -> [T, Hq, D]."""
     if batch.all_decode:
-        return paged_decode(q, kv, layer, batch.block_tables, batch.context_lens, scale, batch)
+        return paged_decode(q, kv, layer, scale, batch)
     out = torch.empty_like(q)
     starts = batch.query_starts
     if batch.decode_seqs:
-        sel, rows = batch.decode_idx, batch.decode_rows
-        out[rows] = paged_decode(q[rows], kv, layer, batch.block_tables[sel], batch.context_lens[sel], scale, batch)
+        rows = batch.decode_rows
+        out[rows] = paged_decode(q[rows], kv, layer, scale, batch)
     for i in range(len(starts) - 1):
         s, e, ctx = starts[i], starts[i + 1], batch.context_lens_host[i]
         if e - s == 1:

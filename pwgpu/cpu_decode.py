@@ -164,9 +164,12 @@ def _pool(num_threads: int, pid: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(num_threads, thread_name_prefix="pwgpu-decode")
 
 
-def _slices(ctx: np.ndarray, num_threads: int) -> list[tuple[int, int]]:
+def ranges(ctx: np.ndarray, num_threads: int) -> list[tuple[int, int]]:
     """Contiguous request ranges of about equal context tokens, at most ``num_threads`` of
-    them and none of fewer than ``MIN_TOKENS_PER_THREAD`` tokens (one range: do it here)."""
+    them and none of fewer than ``MIN_TOKENS_PER_THREAD`` tokens (one range: do it here).
+    The same for every layer of a step: ``attention.AttentionBatch.decode_ranges`` cuts them once."""
+    if num_threads <= 1:
+        return [(0, len(ctx))]
     total = int(ctx.sum())
     parts = max(1, min(num_threads, len(ctx), total // MIN_TOKENS_PER_THREAD))
     if parts == 1:
@@ -176,10 +179,11 @@ def _slices(ctx: np.ndarray, num_threads: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=False))
 
 
-def paged_decode(q, kv, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float):
+def paged_decode(q, kv, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, slices=None):
     """``attention.paged_decode_ref``'s contract: q [B, Hq, D] -> [B, Hq, D], each request
     attending to the first ``context_lens[b]`` (>= 1) tokens of its blocks; fp32 softmax and
-    sums, the result in q's dtype. The cache must be one ``supports`` accepts.
+    sums, the result in q's dtype. The cache must be one ``supports`` accepts. ``slices``:
+    ``ranges(context_lens, torch threads)`` if the caller has them (None: cut here).
 
     With several torch threads, a batch of enough context is cut into ranges of requests of
     about equal context, run at once on as many threads (each writes its own rows of the
@@ -200,16 +204,17 @@ def paged_decode(q, kv, layer: int, block_tables: torch.Tensor, context_lens: to
     qs, arena, out_np = q.float().contiguous().numpy(), kv.typed.view(read_as).numpy(), out.numpy()
     table, ctx = block_tables.contiguous().numpy(), context_lens.contiguous().numpy()
     threads = torch.get_num_threads()
-    ranges = _slices(ctx, threads) if threads > 1 else [(0, len(ctx))]
-    if len(ranges) == 1:
+    if slices is None:
+        slices = ranges(ctx, threads)
+    if len(slices) == 1:
         loop(widen, qs, arena, table, ctx, geometry, np.float32(scale), out_np)
         return out.to(q.dtype)
     pool = _pool(threads, os.getpid())
     jobs = [
         pool.submit(loop, widen, qs[a:b], arena, table[a:b], ctx[a:b], geometry, np.float32(scale), out_np[a:b])
-        for a, b in ranges[1:]
+        for a, b in slices[1:]
     ]
-    a, b = ranges[0]
+    a, b = slices[0]
     loop(widen, qs[a:b], arena, table[a:b], ctx[a:b], geometry, np.float32(scale), out_np[a:b])
     for job in jobs:
         job.result()  # re-raises a range's error here

@@ -108,7 +108,7 @@ def test_a_batch_cut_across_threads_gives_the_same_bits(monkeypatch):
         one = cpu_decode.paged_decode(q, kv, 1, tables, lens, 0.25)
         torch.set_num_threads(3)
         monkeypatch.setattr(cpu_decode, "MIN_TOKENS_PER_THREAD", 10)
-        assert len(cpu_decode._slices(lens.numpy(), 3)) == 3
+        assert len(cpu_decode.ranges(lens.numpy(), 3)) == 3
         assert torch.equal(cpu_decode.paged_decode(q, kv, 1, tables, lens, 0.25), one)
         bad = tables.clone()
         bad[-1, 0] = 10_000  # in the last range, which a pool thread runs
@@ -124,7 +124,7 @@ def test_a_batch_cut_across_threads_gives_the_same_bits(monkeypatch):
      ([9000, 1], 4, [(0, 2)]), ([5000] * 3, 8, [(0, 1), (1, 2), (2, 3)])],
 )  # fmt: skip
 def test_ranges_of_about_equal_context(ctx, threads, want):
-    assert cpu_decode._slices(np.array(ctx), threads) == want
+    assert cpu_decode.ranges(np.array(ctx), threads) == want
 
 
 def test_a_forked_child_gets_its_own_pool(monkeypatch):
@@ -146,3 +146,27 @@ def test_a_forked_child_gets_its_own_pool(monkeypatch):
         assert torch.equal(got, want)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_steps_decode_requests_are_selected_and_cut_once(monkeypatch):
+    """A mixed step's decode requests (their tables, context lengths and thread ranges) are the
+    same in every layer: made on the first layer's call, not again per layer."""
+    from pwgpu.attention import build_batch, paged_attention
+
+    torch.manual_seed(6)
+    kv = nan_cache(torch.float32, 1, 0, 2, 16, num_pages=60)
+    kv.typed.copy_(torch.randn(kv.typed.shape))  # every layer of every block holds K and V
+    tables = [[b for b in row if b] for row in write_contexts(kv, [9, 14, 6]).tolist()]
+    # request 1 is a prefill chunk of 5 tokens after 9 cached; requests 0 and 2 decode one token
+    seqs = [(tables[0], 8, 1), (tables[1], 9, 5), (tables[2], 5, 1)]
+    batch, _ = build_batch(seqs, kv.block_tokens, torch.device("cpu"))
+    calls = []
+    real = cpu_decode.ranges
+    monkeypatch.setattr(cpu_decode, "ranges", lambda *a: calls.append(a) or real(*a))
+    q = torch.randn(7, 4, 16)
+    for layer in (0, 1):
+        out = paged_attention(q, kv, layer, batch, 0.25)
+        want = paged_decode_ref(q[[0, 6]], kv, layer, batch.block_tables[[0, 2]], torch.tensor([9, 6]), 0.25)
+        torch.testing.assert_close(out[[0, 6]], want, rtol=1e-5, atol=1e-6)
+    assert len(calls) == 1
+    assert batch.decode_context[0] is batch.decode_context[0]  # cached, not selected again
