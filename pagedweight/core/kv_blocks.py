@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from itertools import compress, islice, repeat
-from operator import not_
+from functools import partial
+from itertools import compress, islice, repeat, takewhile
+from operator import add, is_not, not_
 
 import numpy as np
 
 from pagedweight.core.pool import OWNER_KV, OWNER_KV_CACHED, PagePool
 from pagedweight.core.reuse import MIN_GHOST_BLOCKS, GhostList
 from pagedweight.errors import PoolError, PoolExhausted
+
+_IS_BLOCK = partial(is_not, None)  # a cached key's block, not a miss (dict.get's None)
 
 
 class _RetiredRun:
@@ -361,48 +364,55 @@ class KvBlockAllocator:
                 by_key[key] = block
                 by_block[block] = key
 
+    def _cached_run(self, keys: Sequence[int], limit: int) -> list[int]:
+        """The cached blocks of the leading ``keys`` (at most ``limit``), up to the first key not
+        cached: looked up in C (``takewhile`` over ``map``), not a Python step per block (a
+        multi-turn prompt hits hundreds)."""
+        cached = self._block_of_key
+        if limit <= 0 or keys[0] not in cached:  # most lookups miss at once: no slice, no map
+            return []
+        return list(takewhile(_IS_BLOCK, map(cached.get, islice(keys, limit))))
+
     def lookup(self, keys: Sequence[int], limit: int) -> tuple[int, int]:
         """How many of the leading ``keys`` (at most ``limit``) are cached, and how many of those
         are evictable (taking them leaves that many fewer free blocks), without taking them."""
-        n = idle = 0
-        cached, evictable = self._block_of_key, self._evictable
-        while n < limit:
-            block = cached.get(keys[n])
-            if block is None:
-                break
-            idle += block in evictable
-            n += 1
-        return n, idle
+        blocks = self._cached_run(keys, limit)
+        if not blocks:
+            return 0, 0
+        return len(blocks), sum(map(self._evictable.__contains__, blocks)) if self._num_evictable else 0
 
     def acquire(self, keys: Sequence[int], limit: int) -> list[int]:
         """The cached blocks of the longest cached run of leading ``keys`` (at most ``limit``),
         each now held once more (an evictable one is held again, not evicted)."""
-        out: list[int] = []
-        cached, refs, evictable = self._block_of_key, self._refs, self._evictable
-        bpp, owner_of, in_page = self.blocks_per_page, self.pool._owner_of, self._evictable_in_page
-        to_kv: list[int] = []
-        idle = 0
-        for key in keys[:limit]:
-            block = cached.get(key)
-            if block is None:
-                break
-            if block in evictable:
-                del evictable[block]
-                idle += 1
-                page = block // bpp
-                if bpp > 1:  # one block per page: the page of an evictable block is a cached page
-                    in_page[page] -= 1
-                if owner_of[page] == OWNER_KV_CACHED:
-                    owner_of[page] = OWNER_KV  # marked now, so a page is listed once; moved below
-                    to_kv.append(page)
-                self.num_used_blocks += 1
+        out = self._cached_run(keys, limit)
+        if not out:
+            return out
+        evictable, refs = self._evictable, self._refs
+        is_idle = list(map(evictable.__contains__, out)) if self._num_evictable else [False] * len(out)
+        idle = list(compress(out, is_idle))
+        held = list(compress(out, map(not_, is_idle))) if len(idle) < len(out) else []
+        if held:  # one more holder each (a block held once has no count: 1 -> 2)
+            refs.update(zip(held, map(add, map(refs.get, held, repeat(1)), repeat(1)), strict=True))
+        if idle:
+            deque(map(evictable.__delitem__, idle), maxlen=0)
+            self.num_used_blocks += len(idle)
+            self._num_evictable -= len(idle)
+            bpp = self.blocks_per_page
+            if bpp == 1:  # page = block, and the page of an evictable block is a cached page
+                self.pool.transfer_list(idle, OWNER_KV_CACHED, OWNER_KV)
             else:
-                refs[block] = refs.get(block, 1) + 1
-            out.append(block)
-        self._move_pages(to_kv, OWNER_KV_CACHED, OWNER_KV)
-        self._num_evictable -= idle
-        if idle and self.protected_blocks:  # see free_after_acquire
-            self.protected_blocks = self.protected_blocks - idle if self.protected_blocks > idle else 0
+                owner_of, in_page = self.pool._owner_of, self._evictable_in_page
+                to_kv: list[int] = []
+                for block in idle:
+                    page = block // bpp
+                    in_page[page] -= 1
+                    if owner_of[page] == OWNER_KV_CACHED:
+                        owner_of[page] = OWNER_KV  # marked now, so a page is listed once; moved below
+                        to_kv.append(page)
+                self._move_pages(to_kv, OWNER_KV_CACHED, OWNER_KV)
+            if self.protected_blocks:  # see free_after_acquire
+                n = len(idle)
+                self.protected_blocks = self.protected_blocks - n if self.protected_blocks > n else 0
         return out
 
     def _move_pages(self, pages: list[int], from_owner: int, to_owner: int) -> None:
