@@ -33,8 +33,9 @@ from pwgpu.model import Rope, rms_norm
 MiB = 1 << 20
 NOTES = (
     "activations and KV in meta 'dtype': the engine's default on the device, or bf16 for a scenario run",
-    "every timed sample starts with the caches flushed (meta 'flush_bytes' written just before; 0 on "
-    "a CPU, where a step's ops find their data in the last-level cache)",
+    "every timed sample starts with the caches flushed (meta 'flush_bytes' touched just before: written on "
+    "a GPU, read on a CPU, where written lines would leave their write-back to the timed op); on a CPU "
+    "dequantize and h2d_copy are timed warm: in a step they find their data in the caches",
     "on a CPU the rows of an op group (of one precision, for moe_ffn) are timed in rounds, one sample "
     "of every row per round, so that the machine's drift spreads over all of them",
     "moe_ffn: e experts of one precision, each routed exactly m tokens (top-1 routing: the top-k sum, "
@@ -138,15 +139,27 @@ GRIDS = {
 }
 
 
-# Written before each timed repetition, outside the timing, so every op starts with cold caches
-# as it does inside a step, where the other ops of the layer have just run: larger than an H200's
-# 50 MB L2. Not on a CPU: there an engine step's ops find much of their data still in the 32 MB
-# L3 (a batch-16 decode attention layer took 1.7 ms inside engine steps, 2.3 ms timed warm and
-# 2.7 ms flushed on the 2-core VM, once the host allocator stopped faulting in fresh pages for
-# every temporary; host_allocator.py). The earlier 64 MB CPU flush matched engine steps that
-# paid those page faults.
-FLUSH_BYTES = {"cuda": 256 << 20, "cpu": 0}
+# Touched before each timed repetition, outside the timing, so every op starts with cold caches
+# as it does inside a step, where the other ops of the layer (and the other layers) have just
+# run: larger than an H200's 50 MB L2, and twice the 32 MB L3 of the 2-core CPU VM. A GPU writes
+# the buffer. A CPU reads it (``_read_all``): written, it left 64 MB of dirty lines whose
+# write-back the timed op then paid (a batch-16 decode attention layer 2.7 ms flushed by writes
+# against 1.7 ms inside engine steps). Measured in place by benchmarks/step_breakdown.py on the
+# CPU VM (benchmarks/RESULTS.md, 2026-12-02), warm samples, which find the previous repetition's
+# data still in L2 and L3, timed a step's ops short: the dense work 1.46x, the LM head 2.7x, the
+# experts and attention 1.2x; read-flushed, 0.86-1.13x. Two ops on a CPU stay warm
+# (``WARM_ON_CPU``): the dequantisation into an expert's dense copy, which reads the packed pages
+# a downgrade has just written (in place 0.7-0.95x its warm rows, 1.6x flushed), and the host
+# copy. A downgrade's write reads the host's master copy, cold in a step: flushed (in place it
+# took 1.5-2.6x its warm rows).
+FLUSH_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}
+WARM_ON_CPU = frozenset({"dequantize", "h2d_copy"})
 _flush_buffers: dict[torch.device, torch.Tensor] = {}
+
+
+def _read_all(buf: torch.Tensor) -> None:
+    """Read every byte of ``buf`` (a reduction): its lines fill the caches clean."""
+    buf.view(torch.int64 if buf.numel() % 8 == 0 else torch.uint8).max()
 
 
 def _flush(device: torch.device, num_bytes: int | None) -> None:
@@ -155,8 +168,11 @@ def _flush(device: torch.device, num_bytes: int | None) -> None:
         return
     buf = _flush_buffers.get(device)
     if buf is None or buf.numel() != n:
-        buf = _flush_buffers[device] = torch.empty(n, dtype=torch.uint8, device=device)
-    buf.fill_(1)
+        buf = _flush_buffers[device] = torch.ones(n, dtype=torch.uint8, device=device)
+    if device.type == "cpu":
+        _read_all(buf)
+    else:
+        buf.fill_(1)
 
 
 def time_us(
@@ -230,8 +246,8 @@ class Profiler:
                 fn()
         times = [[] for _ in pending]
         for _ in range(self.grid.samples):
-            for (_, fn), mine in zip(pending, times, strict=True):
-                _flush(self.device, None)
+            for (row, fn), mine in zip(pending, times, strict=True):
+                _flush(self.device, 0 if row["op"] in WARM_ON_CPU else None)
                 t0 = time.perf_counter()
                 fn()
                 mine.append((time.perf_counter() - t0) * 1e6)
@@ -512,5 +528,8 @@ def _meta(device: torch.device, grid: Grid, models: list[ModelSpec], dtype: str)
         "path": "triton kernels" if on_gpu else "pytorch reference (CPU engine path)",
         "threads": torch.get_num_threads(),
         "upgrades": "asynchronous" if on_gpu else "synchronous",
+        # The CPU path multiplies a layer's routed experts in one call (weights.py), the GPU's
+        # kernels one launch per precision class (kernels/moe_gemm.py).
+        "moe_calls": "per precision class" if on_gpu else "per layer",
         "notes": list(NOTES),
     }

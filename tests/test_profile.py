@@ -139,25 +139,52 @@ def test_a_table_fitted_to_a_scenario_times_all_of_it(tmp_path):
     assert not summary.get("out_of_grid"), summary.get("out_of_grid")
 
 
-def test_time_us_flushes_caches_before_every_sample():
-    """Each sample starts after the flush buffer was rewritten (cold caches, as inside a step)."""
+def test_time_us_flushes_caches_before_every_sample(monkeypatch):
+    """Each sample starts after every line of the flush buffer was touched (cold caches, as inside
+    a step): on a CPU by a read, so the buffer is never written again and the timed op finds no
+    dirty lines to write back."""
     import torch
 
     from pwgpu import profile as prof
 
     dev = torch.device("cpu")
-    seen = []
+    reads, seen = [], []
+    read_all = prof._read_all
+    monkeypatch.setattr(prof, "_read_all", lambda buf: (reads.append(buf.numel() * buf.element_size()), read_all(buf)))
 
     def fn():
         buf = prof._flush_buffers[dev]
-        seen.append((buf.numel(), int(buf[-1])))
-        buf.zero_()  # the next sample must find it rewritten
+        seen.append((buf.numel(), int(buf[-1]), len(reads)))
+        buf.zero_()  # a CPU flush reads: the next sample finds it as this one left it
 
     p50, p20, p80 = prof.time_us(fn, dev, samples=3, warmup=0, flush_bytes=1 << 16)
-    assert seen == [(1 << 16, 1)] * 3 and p20 <= p50 <= p80
+    assert seen == [(1 << 16, 1, 1), (1 << 16, 0, 2), (1 << 16, 0, 3)] and p20 <= p50 <= p80
+    assert reads == [1 << 16] * 3
     calls = []
     prof.time_us(lambda: calls.append(1), dev, samples=2, warmup=1, flush_bytes=0)  # 0: no flush
-    assert len(calls) == 3
+    assert len(calls) == 3 and len(reads) == 3
+
+
+def test_cpu_rows_are_timed_flushed_but_the_dequantisation_and_copy(monkeypatch):
+    """On a CPU a step's ops (attention, dense, experts, LM head, a downgrade's write) are timed
+    after a flush, as they run inside a step; the dequantisation and the host copy warm, as they
+    measured in place."""
+    import types
+
+    import torch
+
+    from pwgpu import profile as prof
+
+    flushes = []
+    monkeypatch.setattr(prof, "_flush", lambda device, num_bytes: flushes.append(num_bytes))
+    p = prof.Profiler.__new__(prof.Profiler)
+    p.device, p.rows, p._moe_aliases = torch.device("cpu"), [], []
+    p.grid = types.SimpleNamespace(samples=2, warmup=1)
+    ops = ["attn_decode", "attn_prefill", "dense", "lm_head", "moe_ffn", "quantize", "dequantize", "h2d_copy"]
+    p._pending = [({"op": op}, lambda: None) for op in ops]
+    p.drain()
+    assert flushes == [None, None, None, None, None, None, 0, 0] * 2  # None: the device's FLUSH_BYTES
+    assert [r["op"] for r in p.rows] == ops
 
 
 @pytest.mark.e2e
