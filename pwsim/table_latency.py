@@ -13,8 +13,14 @@ it unchanged, so the dense array reproduces every (fitted) measurement and every
 
 How a step maps onto the table's keys (all ops are per layer, times ``num_layers``):
 - ``moe_ffn(precision, m, e)``: per layer and precision class, ``e`` = active experts of that
-  class and ``m`` = their mean tokens (one fused call per class; imbalance inside a class is
-  not modelled beyond the mean).
+  class and ``m`` = their mean tokens (one fused call per class, as the GPU kernels launch;
+  imbalance inside a class is not modelled beyond the mean). A table whose meta says
+  ``moe_calls: per layer`` (the CPU engine: one call for a layer's experts whatever their
+  precisions) is read as one call per layer: ``e`` = the layer's active experts, ``m`` = their
+  mean tokens, each precision class's share of the call timed by its own rows at that (m, e),
+  weighted by its experts. Read per class instead, a layer of two classes paid the call's fixed
+  cost twice (the cost of the first touch of a call's data, 0.6 ms of a 0.8 ms one-expert call
+  on the CPU VM).
 - ``attn_prefill(m, kv_len)`` per prefill chunk; ``attn_decode(batch, kv_len)`` at the decode
   count and mean context (decode attention is bound by the total KV read, which the mean keeps).
 - ``dense(m)`` per MoE layer, ``lm_head(m)`` once for the step's sequences; the leading dense
@@ -252,6 +258,10 @@ class TableLatencyModel:
         # change, and upgrades written inside the step that starts them.
         self.has_dequantize = any(isinstance(key, tuple) and key[0] == "dequantize" for key in self.grids)
         self.synchronous_upgrades = self.meta.get("upgrades") == "synchronous"
+        moe_calls = self.meta.get("moe_calls", "per precision class")
+        if moe_calls not in ("per layer", "per precision class"):
+            raise SpecError(f"{self.path}: meta moe_calls: {moe_calls!r}; allowed: 'per layer', 'per precision class'")
+        self.moe_per_layer = moe_calls == "per layer"
         self.out_of_grid: Counter[str] = Counter()
         self._warned: set[str] = set()
         self._num_precisions = len(PRECISION_NAMES)
@@ -289,7 +299,8 @@ class TableLatencyModel:
 
     # ---- the LatencyModel interface ------------------------------------------------------
     def moe_s(self, tokens_per_expert: np.ndarray, precision_ids: np.ndarray) -> float:
-        """One ``moe_ffn`` call per (layer, precision class) with active experts."""
+        """One ``moe_ffn`` call per (layer, precision class) with active experts; per layer with
+        a ``moe_calls: per layer`` table (see the module docstring)."""
         active = tokens_per_expert > 0
         key = (self._layer_base + precision_ids)[active]
         size = self.model.num_moe_layers * self._num_precisions
@@ -298,22 +309,32 @@ class TableLatencyModel:
         e = num_active[present]
         m = np.bincount(key, weights=tokens_per_expert[active], minlength=size)[present] / e
         prec = present % self._num_precisions
+        share = None
+        if self.moe_per_layer:
+            layer = present // self._num_precisions  # sorted: a layer's classes sit side by side
+            if len(layer) > 1 and (layer[1:] == layer[:-1]).any():  # a layer of several classes
+                e_layer = np.bincount(layer, weights=e)
+                m_layer = np.bincount(layer, weights=e * m) / np.maximum(e_layer, 1)
+                share = e / e_layer[layer]
+                e, m = e_layer[layer].astype(np.int64), m_layer[layer]
         if self.moe_grid is None:
             vals = self.fallback.moe_class_s(prec, m, e)
             for pid in np.unique(prec).tolist():
                 self._miss(f"moe_ffn/{PRECISION_NAMES[pid]} (not in table)", int((prec == pid).sum()), "every point")
-            return float(vals.sum())
-        vals = self.moe_grid.lookup(prec, m, e)
-        total = float(vals.sum())
-        if total < OUT_OF_GRID_S:
-            return total
-        bad = vals >= OUT_OF_GRID_S
-        vals[bad] = self.fallback.moe_class_s(prec[bad], m[bad], e[bad])
-        for pid in np.unique(prec[bad]).tolist():
-            sel = bad & (prec == pid)
-            example = f"m={m[sel][0]:g}, e={e[sel][0]}"
-            self._miss(f"moe_ffn/{PRECISION_NAMES[pid]}", int(sel.sum()), example)
-        return float(vals.sum())
+        else:
+            vals = self.moe_grid.lookup(prec, m, e)
+            if share is None:
+                total = float(vals.sum())
+                if total < OUT_OF_GRID_S:
+                    return total
+            bad = vals >= OUT_OF_GRID_S
+            if bad.any():
+                vals[bad] = self.fallback.moe_class_s(prec[bad], m[bad], e[bad])
+                for pid in np.unique(prec[bad]).tolist():
+                    sel = bad & (prec == pid)
+                    example = f"m={m[sel][0]:g}, e={e[sel][0]}"
+                    self._miss(f"moe_ffn/{PRECISION_NAMES[pid]}", int(sel.sum()), example)
+        return float((vals * share).sum() if share is not None else vals.sum())
 
     def step_time_s(self, shape: StepShape, tokens_per_expert: np.ndarray, precision_ids: np.ndarray) -> float:
         md, fb = self.model, self.fallback

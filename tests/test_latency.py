@@ -271,7 +271,7 @@ def _moe_us(prec: str, m: float, e: float) -> float:
     return (2.0 if prec == "int4" else 5.0) * e * (10 + m**1.5) + 3 * m * e
 
 
-def _table(tmp_path, name="h200.csv") -> str:
+def _table(tmp_path, name="h200.csv", meta: dict | None = None) -> str:
     rows = []
     for prec in ("bf16", "int4"):
         for m in M_GRID:
@@ -294,7 +294,9 @@ def _table(tmp_path, name="h200.csv") -> str:
     df["latency_us_p20"] = df["latency_us_p50"] * 0.95
     df["latency_us_p80"] = df["latency_us_p50"] * 1.05
     df["samples"] = 20
-    write_kernel_table(df, tmp_path / "kernels" / name, {**META, "models": ["mixtral-8x7b"], "grid": "test"})
+    write_kernel_table(
+        df, tmp_path / "kernels" / name, {**META, "models": ["mixtral-8x7b"], "grid": "test", **(meta or {})}
+    )
     return f"kernels/{name}"
 
 
@@ -336,6 +338,33 @@ def test_table_interpolates_linearly_between_grid_points(tmp_path):
     # Log-space interpolation would give sqrt(30 * 20000) = 775 us here, linear gives 10015.
     assert lm.h2d_time_s(((1 << 20) + (1 << 30)) // 2) == pytest.approx(10015e-6, rel=1e-3)
     assert lm.quantize_time_s(14336, 4096, INT4) == pytest.approx(40e-6)
+
+
+def test_cpu_table_times_one_moe_call_per_layer(tmp_path):
+    """``moe_calls: per layer`` (the CPU engine's one call for a layer's experts, whatever their
+    precisions): a layer of two classes is one call of all its experts at their mean tokens, each
+    class's share timed by its own rows; per class (the GPU's launches) it is two calls."""
+    cfg = TableLatencyConfig(kind="table", path=_table(tmp_path, "cpu.csv", {"moe_calls": "per layer"}))
+    lm = build_latency_model(cfg, MIXTRAL, H200, base_dir=tmp_path)
+    per_class = _table_model(tmp_path)
+    # Layer 0: 4 bf16 experts of 1 token, 4 int4 experts of 4 tokens: one call of e = 8, m = 2.5.
+    tpe, ids = _layer0({**{e: (1, BF16) for e in range(4)}, **{e: (4, INT4) for e in range(4, 8)}})
+
+    def at(prec, m, e):  # the table's bilinear value (grids m 1, 4, 16 and e 1, 2, 8)
+        return _moe_us(prec, 1, e) + (m - 1) / 3 * (_moe_us(prec, 4, e) - _moe_us(prec, 1, e))
+
+    one_call = 0.5 * at("bf16", 2.5, 8) + 0.5 * at("int4", 2.5, 8)
+    assert lm.moe_s(tpe, ids) == pytest.approx(one_call * 1e-6, rel=1e-12)
+    two_calls = (_moe_us("bf16", 1, 2) + 2 / 6 * (_moe_us("bf16", 1, 8) - _moe_us("bf16", 1, 2))) + (
+        _moe_us("int4", 4, 2) + 2 / 6 * (_moe_us("int4", 4, 8) - _moe_us("int4", 4, 2))
+    )
+    assert per_class.moe_s(tpe, ids) == pytest.approx(two_calls * 1e-6, rel=1e-12)
+    # One class per layer: the same call either way, to the bit.
+    tpe, ids = _layer0({e: (4, INT4) for e in range(3)})
+    assert lm.moe_s(tpe, ids) == per_class.moe_s(tpe, ids)
+    with pytest.raises(SpecError, match="moe_calls: 'per rank'; allowed: 'per layer', 'per precision class'"):
+        bad = TableLatencyConfig(kind="table", path=_table(tmp_path, "bad.csv", {"moe_calls": "per rank"}))
+        build_latency_model(bad, MIXTRAL, H200, base_dir=tmp_path)
 
 
 def test_table_step_adds_up_its_ops(tmp_path):

@@ -4,7 +4,11 @@ One long CSV per device, ``traces/kernels/<gpu>.csv``, one row per measured poin
 ``<gpu>.meta.yaml`` beside it (device, torch/triton/CUDA versions, date, grid, models; optional
 ``upgrades``: ``synchronous`` where the engine writes an upgrade inside the step that starts it,
 as the CPU engine does without a copy stream, so the step pays its ``quantize`` time instead of
-a copy overlapped with compute; ``asynchronous``, the default, on a GPU).
+a copy overlapped with compute; ``asynchronous``, the default, on a GPU; optional ``moe_calls``:
+``per layer`` where the engine runs a layer's routed experts in one call whatever their
+precisions, as the CPU engine does (its dense copies share one dtype), so a step is timed as one
+``moe_ffn`` call per layer with every active expert; ``per precision class``, the default, where
+each precision's experts are a call of their own, as the GPU kernels are launched).
 
 Columns (unused keys are 0 for an op):
 
