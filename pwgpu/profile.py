@@ -147,11 +147,12 @@ GRIDS = {
 # against 1.7 ms inside engine steps). Measured in place by benchmarks/step_breakdown.py on the
 # CPU VM (benchmarks/RESULTS.md, 2026-12-02), warm samples, which find the previous repetition's
 # data still in L2 and L3, timed a step's ops short: the dense work 1.46x, the LM head 2.7x, the
-# experts and attention 1.2x; read-flushed, 0.86-1.13x. Two ops on a CPU stay warm
+# experts and attention 1.2x; read-flushed, 0.7-1.25x in three runs, as far apart as the
+# machine's own drift from run to run. Two ops on a CPU stay warm
 # (``WARM_ON_CPU``): the dequantisation into an expert's dense copy, which reads the packed pages
-# a downgrade has just written (in place 0.7-0.95x its warm rows, 1.6x flushed), and the host
-# copy. A downgrade's write reads the host's master copy, cold in a step: flushed (in place it
-# took 1.5-2.6x its warm rows).
+# a downgrade has just written (in place 0.7-1.3x its warm rows in nine runs; flushed rows are
+# 1.6x the warm ones), and the host copy. A downgrade's write reads the host's master copy, cold
+# in a step: flushed (in place it took 1.5-2.6x its warm rows in four runs, 1.25x the flushed).
 FLUSH_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}
 WARM_ON_CPU = frozenset({"dequantize", "h2d_copy"})
 _flush_buffers: dict[torch.device, torch.Tensor] = {}
