@@ -28,6 +28,7 @@ import torch.nn.functional as F_
 
 from pagedweight.core.spec import ModelSpec
 from pwgpu.attention import AttentionBatch, PagedKvCache, paged_attention
+from pwgpu.cpu_kernels import cpu_linear
 from pwgpu.kernels.reference import ACTIVATIONS
 from pwgpu.mla import LATENT_NORM_EPS, latent_attention
 from pwgpu.rope import Rope, Yarn, yarn_mscale
@@ -222,7 +223,7 @@ def swiglu(
 
 
 def route(
-    arch: MoeArch, x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None = None
+    arch: MoeArch, x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None = None, linear=F_.linear
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_ids [T, k], topk_weights [T, k] fp32).
 
@@ -234,7 +235,7 @@ def route(
     summed, V3); the weights are the chosen experts' scores without the bias, renormalised if
     asked (V3), times ``routed_scaling_factor``."""
     if not arch.router_fp32:
-        probs = torch.softmax(F_.linear(x, router).float(), dim=-1)
+        probs = torch.softmax(linear(x, router).float(), dim=-1)
         weights, ids = torch.topk(probs, arch.top_k, dim=-1)
         if arch.router_renorm:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -265,6 +266,7 @@ class MoeTransformer:
         self.rope = Rope(arch.rope_dim, arch.rope_theta, device, arch.rope_yarn)
         self.rotate = Rope.rotate_interleaved if arch.rope_interleave else Rope.rotate
         self.dtype = pinned.embed.dtype
+        self.linear = cpu_linear(device, self.dtype)  # the projections (see cpu_kernels.padded_rows)
 
     @torch.inference_mode()
     def forward(
@@ -290,12 +292,13 @@ class MoeTransformer:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> fp32 logits [N, V]."""
-        return F_.linear(rms_norm(hidden, self.w.final_norm, self.arch.rms_norm_eps), self.w.lm_head).float()
+        return self.linear(rms_norm(hidden, self.w.final_norm, self.arch.rms_norm_eps), self.w.lm_head).float()
 
     def _attention(self, layer, lw: LayerWeights, x, angles, batch: AttentionBatch, kv: PagedKvCache):
         a = self.arch
         t = x.shape[0]
-        q, k, v = F_.linear(x, lw.q, lw.q_bias), F_.linear(x, lw.k, lw.k_bias), F_.linear(x, lw.v, lw.v_bias)
+        linear = self.linear
+        q, k, v = linear(x, lw.q, lw.q_bias), linear(x, lw.k, lw.k_bias), linear(x, lw.v, lw.v_bias)
         if a.qk_norm == "full":
             q, k = rms_norm(q, lw.q_norm, a.rms_norm_eps), rms_norm(k, lw.k_norm, a.rms_norm_eps)
         if a.clip_qkv is not None:
@@ -308,7 +311,7 @@ class MoeTransformer:
         q, k = self.rotate(q, *angles), self.rotate(k, *angles)
         kv.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
         out = paged_attention(q, kv, layer, batch, a.softmax_scale)  # [T, Hq, D]
-        return F_.linear(out.reshape(t, -1), lw.o, lw.o_bias)
+        return linear(out.reshape(t, -1), lw.o, lw.o_bias)
 
     def _mla(self, layer, lw: LayerWeights, x, angles, batch: AttentionBatch, kv: PagedKvCache):
         """Multi-head latent attention: cache the latent, attend in the absorbed form (``pwgpu.mla``)."""
@@ -333,7 +336,7 @@ class MoeTransformer:
     def _ffn(self, layer: int, lw: LayerWeights, x: torch.Tensor, routing_counts: torch.Tensor | None = None):
         if lw.router is None:
             return swiglu(x, *lw.dense, self.arch.hidden_act)
-        ids, weights = route(self.arch, x, lw.router, lw.router_bias)
+        ids, weights = route(self.arch, x, lw.router, lw.router_bias, self.linear)
         moe_layer = layer - self.arch.num_dense_layers
         if routing_counts is not None:
             # One scatter-add on the device per layer; read by the host once per step. (On CUDA

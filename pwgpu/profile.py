@@ -23,7 +23,7 @@ from pagedweight.config.kernel_table import KEY_COLUMNS, OP_GROUPS
 from pagedweight.core.spec import PRECISION_NAMES, ModelSpec
 from pagedweight.errors import ConfigError
 from pwgpu.attention import PagedKvCache, build_batch, paged_attention
-from pwgpu.cpu_kernels import dense_dtype
+from pwgpu.cpu_kernels import cpu_linear, dense_dtype
 from pwgpu.host_allocator import keep_host_temporaries
 from pwgpu.kernels.paging import PagedExperts
 from pwgpu.loader import DTYPES, default_dtype_name
@@ -376,21 +376,22 @@ class Profiler:
         norm_w = torch.ones(h, device=self.device, dtype=self.dtype)
         head = self._randn(spec.vocab_size, h, scale=h**-0.5)
         counts = torch.zeros(spec.num_experts, dtype=torch.int64, device=self.device)
+        linear = cpu_linear(self.device, self.dtype)  # the engine's projections (model.py)
 
         def dense(x, angles):
             # One layer of the engine's forward (pwgpu/model.py) without attention and experts.
             y = rms_norm(x, norm_w, eps)
-            q = F_.linear(y, w_q)
+            q = linear(y, w_q)
             if w_k is not None:
                 t = x.shape[0]
-                F_.linear(y, w_v)  # V goes to the cache; the attention op times that write
+                linear(y, w_v)  # V goes to the cache; the attention op times that write
                 # The RoPE angles are computed once per step for all layers, as the engine does.
                 q = Rope.rotate(q.view(t, spec.num_heads, spec.head_dim), *angles)
-                Rope.rotate(F_.linear(y, w_k).view(t, spec.num_kv_heads, spec.head_dim), *angles)
-                q = F_.linear(q.reshape(t, -1), w_o)  # attention itself is the attn_* ops
+                Rope.rotate(linear(y, w_k).view(t, spec.num_kv_heads, spec.head_dim), *angles)
+                q = linear(q.reshape(t, -1), w_o)  # attention itself is the attn_* ops
             x = x + q
             z = rms_norm(x, norm_w, eps)
-            probs = torch.softmax(F_.linear(z, router).float(), dim=-1)
+            probs = torch.softmax(linear(z, router).float(), dim=-1)
             weights, ids = torch.topk(probs, spec.top_k, dim=-1)
             weights = weights / weights.sum(dim=-1, keepdim=True)  # renormalised, as for Mixtral
             # The router's choices counted on the device, its weights cast for the experts.
@@ -398,12 +399,12 @@ class Profiler:
             counts.index_add_(0, ids_flat, torch.ones_like(ids_flat))
             weights.to(x.dtype)
             if w_up is not None:
-                gate, up = F_.linear(z, w_up).chunk(2, dim=-1)
+                gate, up = F_.linear(z, w_up).chunk(2, dim=-1)  # shared experts: model.swiglu, unpadded
                 x = x + F_.linear(F_.silu(gate) * up, w_down)
             return x + z  # the experts' output (the moe_ffn op) added to the residual
 
         def lm_head(hidden):
-            logits = F_.linear(rms_norm(hidden, norm_w, eps), head).float()
+            logits = linear(rms_norm(hidden, norm_w, eps), head).float()
             return logits.argmax(dim=-1).tolist()  # greedy sampling, as in the validation runs
 
         for m in self.grid.dense_m:

@@ -200,3 +200,23 @@ def test_sdpa_decode_in_groups_equals_one_group(dtype):
     tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     torch.testing.assert_close(paged_decode_sdpa(q, kv, 1, tables, lens, 0.25, groups), whole, **tol)
     assert torch.equal(paged_decode_sdpa(q, kv, 1, tables, lens, 0.25, [(None, max(need))]), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_row_padded_linear_is_bit_identical(dtype):
+    """Padding a 16-bit matmul's rows (so that oneDNN reuses a kernel per padded size) leaves the
+    real rows' results bit-identical, with and without a bias; fp32 and GPUs are left alone."""
+    from pwgpu.cpu_kernels import cpu_linear, linear_rows_padded, padded_rows
+
+    assert [padded_rows(m) for m in (1, 16, 17, 250, 256, 257, 1000, 1024)] == [1, 16, 32, 256, 256, 320, 1024, 1024]
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=gen).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype)
+    for m in (1, 5, 16, 17, 31, 100, 255, 257, 300, 1000):
+        x = torch.randn(m, 64, generator=gen).to(dtype)
+        for bias in (None, b):
+            out = linear_rows_padded(x, w, bias)
+            assert out.shape == (m, 96) and torch.equal(out, F_.linear(x, w, bias)), (m, bias is None)
+    assert cpu_linear(torch.device("cpu"), dtype) is linear_rows_padded
+    assert cpu_linear(torch.device("cpu"), torch.float32) is F_.linear
+    assert cpu_linear(torch.device("cuda"), dtype) is F_.linear
