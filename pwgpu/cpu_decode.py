@@ -12,9 +12,13 @@ of different lengths need no grouping. Per request and KV head: the scores of it
 
 fp32 K and V rows are read in place; bf16 rows are read as their bits (int16), which are the upper
 half of an fp32's, and widened exactly into a buffer a block's 16-token section at a time (the
-slots past a context only copied). The loop is compiled once per KV dtype,
-with the row reader passed in (``_row_fp32`` or ``_row_bf16``). Other KV dtypes (fp16, which
-numba cannot read) and platforms without numba take the PyTorch way.
+slots past a context only copied). The loop is compiled once per KV dtype; ``_widen`` picks the
+row reader (``_row_fp32`` or ``_row_bf16``) by the arena's type when numba compiles it. Passed
+in as an argument, the reader's identity (an address) entered the compiled loop's signature, so
+numba's cache never matched in another process: every engine compiled the loop again (~2 s) and
+added a file to the cache, until writing the cache index failed ("underlying object has
+vanished") and the engine could not start. Other KV dtypes (fp16, which numba cannot read) and
+platforms without numba take the PyTorch way.
 ``tests/gpu_engine/test_cpu_decode.py`` checks it against ``attention.paged_decode_ref``.
 
 Shape legend: B = requests, Hq / Hkv = query / KV heads, G = Hq / Hkv, D = head dim,
@@ -33,8 +37,8 @@ import torch
 from pagedweight.compiled import available, numba_module
 
 
-def _decode_loop(widen, q, arena, table, ctx, geometry, scale, out):
-    """q [B, Hq, D] fp32, arena the KV elements (``widen(arena, at, n, buffer)``: the n of them
+def _decode_loop(q, arena, table, ctx, geometry, scale, out):
+    """q [B, Hq, D] fp32, arena the KV elements (``_widen(arena, at, n, buffer)``: the n of them
     from ``at`` as fp32), table [B, M] KV block ids, ctx [B] context lengths; ``geometry``:
     (blocks per page, elements per page, per block, the layer's offset inside a block, tokens
     per block, Hkv); out [B, Hq, D] fp32."""
@@ -68,7 +72,7 @@ def _decode_loop(widen, q, arena, table, ctx, geometry, scale, out):
             for i in range(0, (n + block_tokens - 1) // block_tokens):
                 block = table[b, i]
                 at = (block // blocks_per_page) * page_elems + (block % blocks_per_page) * block_elems
-                rows = widen(arena, at + layer_elems + part * section, section, buffer)
+                rows = _widen(arena, at + layer_elems + part * section, section, buffer)
                 for t in range(min(block_tokens, n - i * block_tokens)):
                     j = i * block_tokens + t
                     for h in range(hkv):
@@ -115,21 +119,30 @@ def _row_bf16(arena, at, n, buffer):
     return buffer.view(np.float32)
 
 
+def _widen(arena, at, n, buffer):
+    """The n KV elements from ``at`` as fp32: ``_row_bf16`` for an int16 (bf16 bits) arena, else
+    ``_row_fp32``. Compiled, numba chooses by the arena's type (``_compiled``)."""
+    return (_row_bf16 if arena.dtype == np.int16 else _row_fp32)(arena, at, n, buffer)
+
+
 @functools.cache
 def _compiled():
-    """(the loop, {KV dtype: (what its arena is read as, its row reader)}), compiled on first use."""
-    njit = numba_module().njit
+    """(the loop, {KV dtype: what its arena is read as}), compiled (or loaded from numba's cache)
+    on first use."""
+    numba = numba_module()
+    from numba.extending import overload
+
+    @overload(_widen, inline="always")
+    def _widen_for(arena, at, n, buffer):
+        return _row_bf16 if arena.dtype == numba.types.int16 else _row_fp32
+
     # Reassociation (and contraction into FMAs) lets the dot products and the weighted sums
     # vectorise; no-NaN/no-inf assumptions are left out: nothing past a context is read, but a
     # model may still produce an inf.
     # Without the GIL, so that slices of a batch run on several threads at once (``paged_decode``).
     flags = {"reassoc", "contract", "arcp", "nsz"}
-    loop = njit(cache=True, nogil=True, fastmath=flags, error_model="numpy")(_decode_loop)
-    readers = {
-        torch.float32: (torch.float32, njit(cache=True)(_row_fp32)),
-        torch.bfloat16: (torch.int16, njit(cache=True)(_row_bf16)),
-    }
-    return loop, readers
+    loop = numba.njit(cache=True, nogil=True, fastmath=flags, error_model="numpy")(_decode_loop)
+    return loop, {torch.float32: torch.float32, torch.bfloat16: torch.int16}
 
 
 _KV_DTYPES = (torch.float32, torch.bfloat16)
@@ -145,12 +158,11 @@ def supports(kv) -> bool:
 def warm_up(dtype: torch.dtype) -> None:
     """Compile (or load from numba's cache) the loop for a KV dtype on a one-token context, so
     that a server's first request does not wait ~2 s for it."""
-    loop, readers = _compiled()
-    read_as, widen = readers[dtype]
-    arena = torch.zeros(2, dtype=dtype).view(read_as).numpy()
+    loop, read_as = _compiled()
+    arena = torch.zeros(2, dtype=dtype).view(read_as[dtype]).numpy()
     one = np.ones((1, 1, 1), dtype=np.float32)
     table, ctx = np.zeros((1, 1), dtype=np.int64), np.ones(1, dtype=np.int64)
-    loop(widen, one, arena, table, ctx, (1, 2, 2, 0, 1, 1), np.float32(1.0), np.empty_like(one))
+    loop(one, arena, table, ctx, (1, 2, 2, 0, 1, 1), np.float32(1.0), np.empty_like(one))
 
 
 # Context tokens (summed over the batch) below which one thread does the whole batch: a slice
@@ -189,8 +201,7 @@ def paged_decode(q, kv, layer: int, block_tables: torch.Tensor, context_lens: to
     about equal context, run at once on as many threads (each writes its own rows of the
     output). A second pool of spinning workers (numba's ``parallel``) made torch's own ops after
     it twice as slow on two cores; these threads sleep on a queue between calls."""
-    loop, readers = _compiled()
-    read_as, widen = readers[kv.dtype]
+    loop, read_as = _compiled()
     elem = kv.typed.element_size()
     geometry = (
         kv.blocks_per_page,
@@ -201,21 +212,21 @@ def paged_decode(q, kv, layer: int, block_tables: torch.Tensor, context_lens: to
         kv.num_kv_heads,
     )
     out = torch.empty(q.shape, dtype=torch.float32)
-    qs, arena, out_np = q.float().contiguous().numpy(), kv.typed.view(read_as).numpy(), out.numpy()
+    qs, arena, out_np = q.float().contiguous().numpy(), kv.typed.view(read_as[kv.dtype]).numpy(), out.numpy()
     table, ctx = block_tables.contiguous().numpy(), context_lens.contiguous().numpy()
     threads = torch.get_num_threads()
     if slices is None:
         slices = ranges(ctx, threads)
     if len(slices) == 1:
-        loop(widen, qs, arena, table, ctx, geometry, np.float32(scale), out_np)
+        loop(qs, arena, table, ctx, geometry, np.float32(scale), out_np)
         return out.to(q.dtype)
     pool = _pool(threads, os.getpid())
     jobs = [
-        pool.submit(loop, widen, qs[a:b], arena, table[a:b], ctx[a:b], geometry, np.float32(scale), out_np[a:b])
+        pool.submit(loop, qs[a:b], arena, table[a:b], ctx[a:b], geometry, np.float32(scale), out_np[a:b])
         for a, b in slices[1:]
     ]
     a, b = slices[0]
-    loop(widen, qs[a:b], arena, table[a:b], ctx[a:b], geometry, np.float32(scale), out_np[a:b])
+    loop(qs[a:b], arena, table[a:b], ctx[a:b], geometry, np.float32(scale), out_np[a:b])
     for job in jobs:
         job.result()  # re-raises a range's error here
     return out.to(q.dtype)

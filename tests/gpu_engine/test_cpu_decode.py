@@ -170,3 +170,30 @@ def test_a_steps_decode_requests_are_selected_and_cut_once(monkeypatch):
         torch.testing.assert_close(out[[0, 6]], want, rtol=1e-5, atol=1e-6)
     assert len(calls) == 1
     assert batch.decode_context[0] is batch.decode_context[0]  # cached, not selected again
+
+
+@pytest.mark.e2e
+def test_the_compiled_loop_is_loaded_from_numbas_cache_in_another_process(tmp_path):
+    """The loop's signature holds only arrays and numbers (the row reader is chosen by the arena's
+    type, not passed in): a second process finds it in numba's cache instead of compiling it and
+    adding an entry (with the reader passed in, every process added one, and writing the cache
+    index eventually failed with "underlying object has vanished")."""
+    import os
+    import sys
+
+    import proc
+
+    code = (
+        "import torch\nfrom pwgpu import cpu_decode\n"
+        "cpu_decode.warm_up(torch.bfloat16)\ncpu_decode.warm_up(torch.float32)\n"
+        "print(len(cpu_decode._compiled()[0].signatures), sorted(cpu_decode._compiled()[0].stats.cache_hits.values()))"
+    )
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+
+    def entries() -> list[str]:
+        return sorted(p.name for p in tmp_path.rglob("cpu_decode._decode_loop-*.nbc"))
+
+    first = proc.run([sys.executable, "-c", code], quiet_s=30, check=True, env=env)
+    assert first.stdout.split()[0] == "2" and len(entries()) == 2, (first.stdout, entries())
+    second = proc.run([sys.executable, "-c", code], quiet_s=10, check=True, env=env)
+    assert second.stdout.strip() == "2 [1, 1]" and len(entries()) == 2, (second.stdout, entries())
