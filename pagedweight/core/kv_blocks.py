@@ -397,19 +397,7 @@ class KvBlockAllocator:
             deque(map(evictable.__delitem__, idle), maxlen=0)
             self.num_used_blocks += len(idle)
             self._num_evictable -= len(idle)
-            bpp = self.blocks_per_page
-            if bpp == 1:  # page = block, and the page of an evictable block is a cached page
-                self.pool.transfer_list(idle, OWNER_KV_CACHED, OWNER_KV)
-            else:
-                owner_of, in_page = self.pool._owner_of, self._evictable_in_page
-                to_kv: list[int] = []
-                for block in idle:
-                    page = block // bpp
-                    in_page[page] -= 1
-                    if owner_of[page] == OWNER_KV_CACHED:
-                        owner_of[page] = OWNER_KV  # marked now, so a page is listed once; moved below
-                        to_kv.append(page)
-                self._move_pages(to_kv, OWNER_KV_CACHED, OWNER_KV)
+            self._held_again(idle)
             if self.protected_blocks:  # see free_after_acquire
                 n = len(idle)
                 self.protected_blocks = self.protected_blocks - n if self.protected_blocks > n else 0
@@ -646,19 +634,25 @@ class KvBlockAllocator:
         num_blocks = len(out)
         self.num_evicted_blocks += num_blocks
         self.num_used_blocks += num_blocks
-        bpp, in_page, owner_of = self.blocks_per_page, self._evictable_in_page, self.pool._owner_of
+        self._held_again(out)
+        return out
+
+    def _held_again(self, blocks: list[int]) -> None:
+        """Blocks just taken out of the evictable set are held by a request again: their pages
+        count one evictable block fewer each, and a cached page among them is a KV page again."""
+        bpp = self.blocks_per_page
         if bpp == 1:  # page = block, and a page whose one block is evictable is a cached page
-            self.pool.transfer_list(out, OWNER_KV_CACHED, OWNER_KV)
-            return out
+            self.pool.transfer_list(blocks, OWNER_KV_CACHED, OWNER_KV)
+            return
+        in_page, owner_of = self._evictable_in_page, self.pool._owner_of
         to_kv: list[int] = []
-        for block in out:
+        for block in blocks:
             page = block // bpp
             in_page[page] -= 1
             if owner_of[page] == OWNER_KV_CACHED:
                 owner_of[page] = OWNER_KV  # marked now, so a page is listed once; moved below
                 to_kv.append(page)
         self._move_pages(to_kv, OWNER_KV_CACHED, OWNER_KV)
-        return out
 
     def _forget_keys(self, blocks: list[int]) -> list[int | None]:
         """Evicted blocks' keys are forgotten, in C loops (``map`` over the dicts' methods, not
