@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="step-breakdown-"))
     out.mkdir(parents=True, exist_ok=True)
-    table = Path(args.table) if args.table else out / "kernels.csv"
+    table = Path(args.table).resolve() if args.table else out / "kernels.csv"
     if not args.table:
         cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--scenario", args.scenario, "--out", str(table)]
         subprocess.run(cmd, check=True)

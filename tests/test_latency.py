@@ -405,6 +405,28 @@ def test_out_of_grid_warns_once_and_counts(tmp_path):
     assert lm.out_of_grid["h2d_copy"] == 1
 
 
+def test_median_of_tables_takes_each_rows_median(tmp_path):
+    from pagedweight.config.kernel_table import median_of_tables, read_kernel_table
+
+    paths = []
+    for i, factor in enumerate((1.0, 3.0, 2.0)):
+        path = tmp_path / _table(tmp_path, f"p{i}.csv", {"date": f"2026-12-0{i + 1}"})
+        df, meta = read_kernel_table(path)
+        df[["latency_us_p50", "latency_us_p20", "latency_us_p80"]] *= factor
+        write_kernel_table(df.iloc[::-1] if i == 1 else df, path, meta)  # row order does not matter
+        paths.append(path)
+    base, _ = read_kernel_table(paths[0])
+    out, meta = median_of_tables(paths)
+    for col in ("latency_us_p50", "latency_us_p20", "latency_us_p80"):
+        assert np.allclose(out[col], base[col] * 2.0)
+    assert (out["samples"] == 60).all() and list(out["op"]) == list(base["op"])
+    assert meta["profiles"] == 3 and meta["dates"] == ["2026-12-01", "2026-12-03"]
+    df, other = read_kernel_table(paths[2])
+    write_kernel_table(df.iloc[1:], paths[2], other)  # a table of another grid
+    with pytest.raises(SpecError, match=r"p2.csv: not the grid of .*p0.csv"):
+        median_of_tables(paths)
+
+
 def test_table_describe_and_errors(tmp_path):
     lm = _table_model(tmp_path)
     assert lm.describe().startswith(

@@ -158,6 +158,44 @@ def test_threads_reach_the_profiler_and_the_engine(tmp_path, monkeypatch, capsys
     assert "--threads 0: must be at least 1" in capsys.readouterr().err
 
 
+def test_profiles_interleave_with_the_real_runs(tmp_path, monkeypatch):
+    """--profile --repeats 2: a table before each real run and one after the last; the simulation
+    is timed by each row's median of the three."""
+    import argparse
+    import subprocess
+
+    import pagedweight.results.pooled
+    from pagedweight.config.kernel_table import read_kernel_table, write_kernel_table
+    from pwsim.commands.validate import _run_both, add_arguments
+
+    root = Path(__file__).parent.parent
+    scenario = root / "scenarios" / "cpu_validate.yaml"
+    src, src_meta = read_kernel_table(root / "traces" / "kernels" / "cpu.csv")
+    calls = []
+
+    def fake_run(cmd, env=None):
+        calls.append(cmd[3])  # python -m pwgpu.cli {profile,run} ...
+        if cmd[3] == "profile":
+            df = src.copy()
+            df["latency_us_p50"] *= (3.0, 1.0, 2.0)[calls.count("profile") - 1]
+            write_kernel_table(df, cmd[cmd.index("--out") + 1], {**src_meta, "date": f"d{len(calls)}"})
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr("pwsim.commands.validate.subprocess.run", fake_run)
+    monkeypatch.setattr(pagedweight.results.pooled, "pool_runs", lambda runs, out: None)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "v"
+    args = parser.parse_args([str(scenario), "--profile", "--repeats", "2", "--out-dir", str(out)])
+    _run_both(args)
+    assert calls == ["profile", "run", "profile", "run", "profile"]
+    table, meta = read_kernel_table(out / "kernels.csv")
+    assert (table["latency_us_p50"] == src["latency_us_p50"] * 2.0).all()
+    assert meta["profiles"] == 3 and meta["dates"] == ["d1", "d5"]
+    assert sorted(p.name for p in (out / "tables").glob("*.csv")) == [f"kernels-{i}.csv" for i in (1, 2, 3)]
+    assert str(out / "kernels.csv") in json.loads((out / "sim" / "summary.json").read_text())["latency_model"]
+
+
 def test_steps_of_one_shape_are_compared_across_policies():
     import pandas as pd
 

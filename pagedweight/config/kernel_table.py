@@ -128,3 +128,39 @@ def write_kernel_table(df: pd.DataFrame, path: str | Path, meta: dict) -> None:
     out[list(COLUMNS)].to_csv(path, index=False)
     with open(meta_path(path), "w") as f:
         yaml.safe_dump(meta, f, sort_keys=False)
+
+
+def median_of_tables(paths: list[str | Path]) -> tuple[pd.DataFrame, dict]:
+    """One table from several profiles of the same grid: each row's percentiles the median of
+    its profiles' (``samples`` their sum), rows in the first table's order. On a shared CPU an
+    op's time drifts by tens of percent over minutes, and not alike for every op (small,
+    memory-bound calls move more than large matmuls), so profiles interleaved with the runs a
+    table is compared with time the machine as those runs found it. Meta: the first table's,
+    with ``profiles`` (how many) and ``dates`` (first and last)."""
+    if not paths:
+        raise SpecError("median_of_tables: no tables given")
+    tables = [read_kernel_table(p) for p in paths]
+    first, meta = tables[0]
+    keys = list(KEY_COLUMNS)
+    order = first[keys].astype(str).agg("|".join, axis=1)
+    if order.duplicated().any():
+        raise SpecError(f"{paths[0]}: line {int(order.duplicated().idxmax()) + 2}: a row repeats its keys")
+    stacked = []
+    for path, (df, _) in zip(paths, tables, strict=True):
+        index = df[keys].astype(str).agg("|".join, axis=1)
+        if set(index) != set(order) or len(index) != len(order):
+            missing = sorted(set(order) - set(index))[:3]
+            extra = sorted(set(index) - set(order))[:3]
+            raise SpecError(
+                f"{path}: not the grid of {paths[0]} (rows missing: {missing or 'none'}; "
+                f"rows not in it: {extra or 'none'}); profile both with the same scenario and ops"
+            )
+        stacked.append(df.set_axis(index)[list(VALUE_COLUMNS)].loc[order])
+    values = pd.concat(stacked, keys=range(len(stacked)))
+    out = first.copy()
+    for col in VALUE_COLUMNS[:3]:
+        out[col] = values[col].groupby(level=1).median().loc[order].to_numpy()
+    out["samples"] = values["samples"].groupby(level=1).sum().loc[order].to_numpy()
+    dates = [m.get("date") for _, m in tables]
+    meta = {**meta, "profiles": len(tables), "dates": [str(dates[0]), str(dates[-1])]}
+    return out, meta

@@ -6,9 +6,10 @@
 
 The second form runs both: the simulator here, and the real engine through the ``pwgpu run``
 command (a separate process: the simulator never imports the engine; they meet through files).
-``--profile`` measures the scenario's latency table first (``pwgpu profile --scenario``): on a
-machine whose speed drifts (a shared VM ran the same table 0.5-0.8x as long minutes apart), a
-table measured just before the real run is the fair one.
+``--profile`` measures the scenario's latency table here (``pwgpu profile --scenario``) before
+each real run and once after the last, and times the simulation by each row's median: on a
+machine whose speed drifts (a shared VM ran the same table 0.5-0.8x as long minutes apart, and
+not alike for every op), a table measured across the real runs is the fair one.
 
 ``--calibrate`` fits a per-deployment term to the real run: the simulator is re-run with the
 step overhead moved by the mean step-time gap until the gap is under 1% of a real step (a few
@@ -75,8 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="with SCENARIO: first measure its latency table here (pwgpu profile --scenario) and time the "
-        "simulation by it, so the table and the real run see the machine in the same state",
+        help="with SCENARIO: measure its latency table here (pwgpu profile --scenario) before each real run "
+        "and after the last, and time the simulation by each row's median, so the table and the real runs "
+        "see the machine in the same states",
     )
 
 
@@ -169,33 +171,67 @@ def _run_both(args: argparse.Namespace) -> tuple[Path, Path]:
     # works too): the simulator never imports it.
     if importlib.util.find_spec("pwgpu") is None or importlib.util.find_spec("torch") is None:
         raise PagedWeightError("the real run needs pwgpu and torch (pip install -e '.[gpu]')")
+    profile = None
     if args.profile:
         if loaded.scenario.latency.kind != "table":
             raise PagedWeightError(
                 f"--profile measures a latency table; {args.scenario}: latency.kind is "
                 f"{loaded.scenario.latency.kind!r}; allowed: table"
             )
-        table = (base / "kernels.csv").resolve()
-        cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--scenario", str(args.scenario), "--out", str(table)]
-        if loaded.scenario.latency.model:  # the table's rows are for this model (e.g. a full-depth spec)
-            cmd += ["--model", loaded.scenario.latency.model]
-        if subprocess.run(cmd, env=env).returncode != 0:
-            raise PagedWeightError(f"profiling failed: {' '.join(cmd)}")
-        args.overrides = [f"latency.path={table}"]
+        profile = _Profiles(args, loaded, base, env)
+    _run_real(args, loaded, real_dir, env, before_each=profile)
+    if profile is not None:
+        args.overrides = [f"latency.path={profile.finish()}"]
         loaded = load_scenario(args.scenario, args.overrides)
-    _run_real(args, loaded, real_dir, env)
     run_scenario(loaded, sim_dir, policies=args.policy, progress=False, report=False)
     return real_dir, sim_dir
 
 
-def _run_real(args: argparse.Namespace, loaded, real_dir: Path, env: dict | None) -> None:
+class _Profiles:
+    """``--profile``: the scenario's latency table measured before each real run and once after
+    the last (``DIR/tables/kernels-K.csv``), and ``DIR/kernels.csv``, each row the median of
+    them (``kernel_table.median_of_tables``). A shared CPU drifts by tens of percent over the
+    minutes of the runs, and unevenly across ops (2026-12-02: an hour apart, the same table's
+    small decode-sized rows 0.62-0.73x, its large matmuls 0.78-0.89x): profiled only first, the
+    table timed the machine as the first run found it."""
+
+    def __init__(self, args: argparse.Namespace, loaded, base: Path, env: dict | None):
+        self.args, self.loaded, self.env = args, loaded, env
+        self.folder = (base / "tables").resolve()
+        self.table = (base / "kernels.csv").resolve()
+        self.paths: list[Path] = []
+
+    def __call__(self) -> None:
+        path = self.folder / f"kernels-{len(self.paths) + 1}.csv"
+        cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--scenario", str(self.args.scenario), "--out", str(path)]
+        if self.loaded.scenario.latency.model:  # the table's rows are for this model (e.g. a full-depth spec)
+            cmd += ["--model", self.loaded.scenario.latency.model]
+        if subprocess.run(cmd, env=self.env).returncode != 0:
+            raise PagedWeightError(f"profiling failed: {' '.join(cmd)}")
+        self.paths.append(path)
+
+    def finish(self) -> Path:
+        """The last profile, then the median table; returns its path."""
+        from pagedweight.config.kernel_table import median_of_tables, write_kernel_table
+
+        self()
+        df, meta = median_of_tables(self.paths)
+        note = f"each row the median of {len(self.paths)} profiles, one before each real run and one after the last"
+        write_kernel_table(df, self.table, {**meta, "notes": [note, *meta.get("notes", [])]})
+        return self.table
+
+
+def _run_real(args: argparse.Namespace, loaded, real_dir: Path, env: dict | None, before_each=None) -> None:
     """The real engine on the scenario into ``real_dir``; with ``--repeats N``, N runs (the
     policies' order reversed every other run, so that each policy runs first as often as
-    second) pooled into ``real_dir`` (``pagedweight.results.pooled``)."""
+    second) pooled into ``real_dir`` (``pagedweight.results.pooled``). ``before_each()``, if
+    given, runs before each run (``_Profiles``)."""
     repeats = getattr(args, "repeats", 1)
     policies = list(args.policy or loaded.scenario.policies)
     runs = [real_dir] if repeats == 1 else [real_dir.with_name("real-runs") / f"run-{i + 1}" for i in range(repeats)]
     for i, out in enumerate(runs):
+        if before_each is not None:
+            before_each()
         order = policies if i % 2 == 0 else policies[::-1]
         cmd = [sys.executable, "-m", "pwgpu.cli", "run", "--scenario", str(args.scenario), "--out", str(out)]
         cmd += ["--policies", ",".join(order)]
