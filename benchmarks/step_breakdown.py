@@ -1,7 +1,7 @@
 """Where a real engine step's time goes, op by op, against what the latency table says for it.
 
     python3 benchmarks/step_breakdown.py [--scenario scenarios/cpu_validate.yaml]
-        [--policy pagedweight] [--table KERNELS.csv] [--out DIR]
+        [--policy pagedweight] [--table KERNELS.csv] [--out DIR] [--replay-moe]
 
 Serves one policy of a scenario with the engine in this process, its ops wrapped in timers
 (attention with its KV write, the rest of each layer, the experts, the LM head with sampling,
@@ -13,6 +13,11 @@ and the median per step shape of measured and table time per op: which op the ta
 and at which batch sizes, independent of how a simulated schedule would drift from the real one.
 Wall-clock figures depend on the machine's load: run it on quiet cores, or with
 OMP_NUM_THREADS=1 where other jobs share them.
+
+``--replay-moe`` asks instead whether the table's way of timing the experts is the engine's:
+during a real run, each MoE call is timed as it ran, then run again at once (warm), then after
+the profiler's cold flush, then in the profiler's own form (every routed expert given the mean
+count of tokens, fresh activations, cold), all at the same moment; medians by the call's tokens.
 """
 
 from __future__ import annotations
@@ -130,6 +135,69 @@ def serve(scenario: str, policy: str, out_dir: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def replay_moe(scenario: str, policy: str, out_dir: Path) -> pd.DataFrame:
+    """Serve ``policy``, replaying each MoE call (see the module docstring); one row per call."""
+    import torch
+
+    import pwgpu.weights as weights
+    from pagedweight.config.run import scenario_run
+    from pagedweight.config.scenario import load_scenario
+    from pwgpu.cpu_kernels import moe_ffn_grouped
+    from pwgpu.default_model import default_model_dir, random_model_dir
+    from pwgpu.offline import run_scenario
+    from pwgpu.profile import _flush
+
+    rows: list[dict] = []
+    moe_ffn = weights.WeightStore.moe_ffn
+    cpu = torch.device("cpu")
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def replayed(self, layer, x, topk_ids, topk_w):
+        t0 = time.perf_counter()
+        out = moe_ffn(self, layer, x, topk_ids, topk_w)
+        ran_s = time.perf_counter() - t0
+        again = lambda: moe_ffn(self, layer, x, topk_ids, topk_w)  # noqa: E731
+        warm_s = timed(again)
+        _flush(cpu, None)
+        cold_s = timed(again)
+        # The profiler's form (pwgpu/profile.py, moe_ffn): the routed experts, m tokens each.
+        counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts).tolist()
+        used = [e for e, c in enumerate(counts) if c]
+        m = max(1, round(sum(counts) / len(used)))
+        dense = self._dense[layer]
+        xe = torch.randn(m * len(used), x.shape[1], dtype=x.dtype)
+        ids = torch.arange(len(used)).repeat_interleave(m)[:, None]
+        w13, w2 = [dense[e][1] for e in used], [dense[e][2] for e in used]
+        _flush(cpu, None)
+        form_s = timed(lambda: moe_ffn_grouped(xe, ids, torch.ones(len(ids), 1), w13, w2, [m] * len(used),
+                                               self.activation))  # fmt: skip
+        rows.append(dict(tokens=x.shape[0], ran_s=ran_s, warm_s=warm_s, cold_s=cold_s, table_form_s=form_s))
+        return out
+
+    loaded = load_scenario(scenario, require_latency_table=False)
+    if loaded.scenario.gpu != "cpu":
+        raise SystemExit(f"{scenario}: gpu is {loaded.scenario.gpu!r}; --replay-moe times the CPU engine's MoE path")
+    model_dir = default_model_dir() if loaded.scenario.model == "tiny-moe" else random_model_dir(loaded.model, None)
+    weights.WeightStore.moe_ffn = replayed
+    run_scenario(scenario_run(loaded, [policy]), model_dir, out_dir, report=False)
+    return pd.DataFrame(rows)
+
+
+def print_replays(calls: pd.DataFrame) -> None:
+    edges = [0, 4, 8, 16, 256, 512, 1 << 30]
+    calls["bucket"] = pd.cut(calls["tokens"], edges, labels=["1-4", "5-8", "9-16", "17-256", "257-512", ">512"])
+    med = calls.groupby("bucket", observed=True)[["ran_s", "warm_s", "cold_s", "table_form_s"]].median() * 1e3
+    med["calls"] = calls.groupby("bucket", observed=True).size()
+    med["ran/cold"] = med["ran_s"] / med["cold_s"]
+    med["cold/table_form"] = med["cold_s"] / med["table_form_s"]
+    print("MoE calls by tokens: median ms as run, again warm, again cold, the profiler's form cold")
+    print(med.round(3).to_string())
+
+
 def predict(steps: pd.DataFrame, scenario: str, table: Path) -> pd.DataFrame:
     """The table's time for each op of each step (its scale 1, no step overhead)."""
     from pagedweight.config.scenario import load_scenario
@@ -171,9 +239,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="pagedweight")
     p.add_argument("--table", help="latency table to compare with (default: profile the scenario now)")
     p.add_argument("--out", help="folder for the run, the table and breakdown.csv (default: a temporary one)")
+    p.add_argument("--replay-moe", action="store_true", help="replay each MoE call warm, cold and as profiled")
     args = p.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="step-breakdown-"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.replay_moe:
+        calls = replay_moe(args.scenario, args.policy, out / "run")
+        calls.to_csv(out / "moe_replays.csv", index=False)
+        print_replays(calls)
+        print(f"written: {out / 'moe_replays.csv'}")
+        return 0
     table = Path(args.table).resolve() if args.table else out / "kernels.csv"
     if not args.table:
         cmd = [sys.executable, "-m", "pwgpu.cli", "profile", "--scenario", args.scenario, "--out", str(table)]

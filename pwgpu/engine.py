@@ -235,6 +235,8 @@ class Engine:
             self.core.set_copy_time_model(lambda num_bytes: num_bytes / h2d)
         pinned = self.store.attach(self.core, pinned_weights(ckpt, self.dtype, torch.device("cpu")))
         del ckpt
+        if self.store.moe_kernel == "reference":
+            self.store.make_dense_copies(self.dtype)  # before the first request, not in its step
         experts = self.store
         if ep is not None:
             from pwgpu.ep import EpExperts

@@ -207,6 +207,21 @@ class WeightStore:
             )
         self._dirty.clear()
 
+    def make_dense_copies(self, dtype: torch.dtype) -> None:
+        """CPU path: every expert's dense copy now, as the engine is built (for activations in
+        ``dtype``), not inside the first steps that route to it. Made there, the copies (and the
+        fresh memory they fill) took a run's first step to 1.1-1.5x the latency table's time,
+        and every request queued behind that step waited for them, as a server's first requests
+        would; a server makes its weights ready before it takes traffic. Precision changes later
+        make theirs on first use, as before."""
+        from pwgpu.cpu_kernels import dense_expert
+
+        pt, e_num = self.core.page_table, self.num_experts
+        for layer, experts in enumerate(self.layers):
+            dense = self._dense.setdefault(layer, [None] * e_num)
+            for e in range(e_num):
+                dense[e] = (pt.pages[layer * e_num + e], *dense_expert(experts, e, dtype))
+
     def moe_ffn(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         experts = self.layers[moe_layer]
         if self.moe_kernel == "triton":

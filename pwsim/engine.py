@@ -123,12 +123,12 @@ class SimEngine:
         self._arrivals_done = False
         self._trace_keys = None  # TraceBlockKeys of the trace, built on first use
         self._kv_bytes_per_token = self.model.kv_bytes_per_token()
-        # A CPU latency table (pwsim.table_latency): the engine keeps an fp32 copy of each expert,
-        # made on its first use after every precision change, and writes upgrades inside the step
-        # that starts them (no copy stream).
+        # A CPU latency table (pwsim.table_latency): the engine keeps a dense copy of each expert,
+        # made for every expert when it is built and again on an expert's first use after each
+        # precision change, and writes upgrades inside the step that starts them (no copy stream).
         self._dequantize = bool(getattr(latency, "has_dequantize", False))
         self._sync_upgrades = bool(getattr(latency, "synchronous_upgrades", False))
-        self._copy_current = np.zeros(self.model.num_moe_layers * self.model.num_experts, dtype=bool)
+        self._copy_current = np.ones(self.model.num_moe_layers * self.model.num_experts, dtype=bool)
         self._expert_dequantize_s: dict[int, float] = {}
 
     # ---- TransitionBackend: what a precision change costs in simulated time -------------------

@@ -36,9 +36,9 @@ Ops, all *per layer* where the model has layers:
 - ``lm_head``: embedding, final norm, LM head and sampling for ``m`` tokens (once per step).
 - ``quantize``: quantise one ``[n, k]`` bf16 matrix to ``precision`` on the device.
 - ``dequantize`` (CPU tables only): read one ``[n, k]`` matrix of ``precision`` from its pages
-  into the fp32 copy the CPU engine's MoE path multiplies by. The engine keeps that copy per
-  expert and makes it again on the expert's first use after each precision change (and at its
-  first use in a run), so a precision change costs this besides its ``quantize``. A table
+  into the dense copy the CPU engine's MoE path multiplies by. The engine keeps that copy per
+  expert, makes every expert's when it is built and makes it again on the expert's first use
+  after each precision change, so a precision change costs this besides its ``quantize``. A table
   without these rows (a GPU's, whose MoE kernel reads the packed pages) charges nothing.
 - ``h2d_copy``: copy ``bytes`` from pinned host memory to the device.
 - ``all_to_all`` (``pwgpu profile --ep N``): one ``all_to_all_single`` among ``batch`` = N ranks

@@ -72,6 +72,27 @@ def test_abort_frees_kv_and_rejects_impossible(tiny):
     assert huge.req.state == REJECTED and "context limit" in huge.req.reject_reason
 
 
+def test_cpu_engine_makes_every_experts_copy_when_built(tiny, monkeypatch):
+    """The CPU path's dense copies exist before the first request: its step dequantises nothing
+    (the simulator charges a run's first step no copies either), and the copies are the ones a
+    first use would have made."""
+    from pwgpu.cpu_kernels import dense_expert
+    from pwgpu.kernels.paging import PagedExperts
+
+    eng = Engine(tiny, EngineConfig(CoreConfig(budget_bytes=16 << 20, page_bytes=PAGE_BYTES), policy="static-int8"))
+    store, pt = eng.store, eng.core.page_table
+    for layer, experts in enumerate(store.layers):
+        for e, (pages, w13, w2) in enumerate(store._dense[layer]):
+            assert pages is pt.pages[layer * store.num_experts + e]
+            ref13, ref2 = dense_expert(experts, e, eng.dtype)
+            assert torch.equal(w13, ref13) and torch.equal(w2, ref2)
+    calls = []
+    monkeypatch.setattr(PagedExperts, "dequantize_matrix", lambda *a, **k: calls.append(a))
+    er = eng.add(list(range(30)), greedy(4))
+    eng.run()
+    assert len(er.output_ids) == 4 and not calls
+
+
 @pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_memory_pressure_downgrades_then_restores(tiny, tmp_path, device):
     """KV demand beyond what fits beside bf16 experts: the controller downgrades experts, the
