@@ -24,7 +24,7 @@ def toy_scenario(tmp_path: Path) -> Path:
     for old, new in (
         ("path: ../traces/kernels/cpu.csv", f"path: {ROOT / 'traces' / 'kernels' / 'cpu.csv'}"),
         ("budget: 36 MiB", "budget: 33 MiB"),  # KV for ~1,700 tokens at bf16: 6 x 308 do not fit
-        ("num_requests: 24", "num_requests: 6"),
+        ("num_requests: 96", "num_requests: 6"),
         ("output_tokens: 40", "output_tokens: 8"),
     ):
         assert old in text, old

@@ -193,7 +193,8 @@ class _Profiles:
     them (``kernel_table.median_of_tables``). A shared CPU drifts by tens of percent over the
     minutes of the runs, and unevenly across ops (2026-12-02: an hour apart, the same table's
     small decode-sized rows 0.62-0.73x, its large matmuls 0.78-0.89x): profiled only first, the
-    table timed the machine as the first run found it."""
+    table timed the machine as the first run found it. (Five validations on that machine moved
+    by no more than their real runs differ from each other either way: benchmarks/RESULTS.md.)"""
 
     def __init__(self, args: argparse.Namespace, loaded, base: Path, env: dict | None):
         self.args, self.loaded, self.env = args, loaded, env
