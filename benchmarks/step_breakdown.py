@@ -18,6 +18,8 @@ OMP_NUM_THREADS=1 where other jobs share them.
 during a real run, each MoE call is timed as it ran, then run again at once (warm), then after
 the profiler's cold flush, then in the profiler's own form (every routed expert given the mean
 count of tokens, fresh activations, cold), all at the same moment; medians by the call's tokens.
+The replays slow the run down, so its schedule is not a plain run's; each call is compared only
+with its own replays.
 """
 
 from __future__ import annotations
