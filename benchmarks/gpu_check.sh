@@ -94,7 +94,7 @@ d = max(float(np.abs(x['logits'] - s['logits']).max()) for x in r); ok = all((x[
 print('tokens equal:', ok, 'max logit difference:', d); sys.exit(0 if ok and d < 1e-3 else 1)\""
   # The launch path: `pwgpu run --ep 2` spawns two NCCL ranks, one per GPU, and every request finishes.
   stage ep_run_2gpu 120 bash -c "python3 -m pwgpu.cli run --scenario scenarios/cpu_validate.yaml --ep 2 \
-    --out '$OUT/ep_run_2gpu' && test \$(grep -c '24/24 done' '$OUT/ep_run_2gpu.log') -eq 2"
+    --out '$OUT/ep_run_2gpu' && test \$(grep -c '96/96 done' '$OUT/ep_run_2gpu.log') -eq 2"
   # The all-to-all of two ranks over NCCL (op all_to_all, 4 KiB to 64 MiB per rank), added to the
   # table just measured so that pwsim times a 2-GPU replica's dispatch and combine from it.
   stage a2a_2gpu 60 python3 -m pwgpu.cli profile --model mixtral-8x7b --ops "" --ep 2 --device cuda \
