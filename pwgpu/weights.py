@@ -214,21 +214,24 @@ class WeightStore:
         and every request queued behind that step waited for them, as a server's first requests
         would; a server makes its weights ready before it takes traffic. Precision changes later
         make theirs on first use, as before."""
+        for layer in range(len(self.layers)):
+            dense = self._dense.setdefault(layer, [None] * self.num_experts)
+            for e in range(self.num_experts):
+                dense[e] = self._dense_copy(layer, e, dtype)
+
+    def _dense_copy(self, moe_layer: int, e: int, dtype: torch.dtype) -> tuple:
+        """(the pages array it is made from, w1 over w3, w2): expert ``e``'s CPU-path copy."""
         from pwgpu.cpu_kernels import dense_expert
 
-        pt, e_num = self.core.page_table, self.num_experts
-        for layer, experts in enumerate(self.layers):
-            dense = self._dense.setdefault(layer, [None] * e_num)
-            for e in range(e_num):
-                dense[e] = (pt.pages[layer * e_num + e], *dense_expert(experts, e, dtype))
+        pages = self.core.page_table.pages[moe_layer * self.num_experts + e]
+        return (pages, *dense_expert(self.layers[moe_layer], e, dtype))
 
     def moe_ffn(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        experts = self.layers[moe_layer]
         if self.moe_kernel == "triton":
             from pwgpu.kernels.moe_gemm import fused_moe
 
-            return fused_moe(x, topk_ids, topk_w, experts, activation=self.activation)
-        from pwgpu.cpu_kernels import dense_expert, moe_ffn_grouped
+            return fused_moe(x, topk_ids, topk_w, self.layers[moe_layer], activation=self.activation)
+        from pwgpu.cpu_kernels import moe_ffn_grouped
 
         # CPU path: dequantise each used expert from its pages once and keep the dense copy
         # until the page table points the expert elsewhere (a flip gives it a new pages array).
@@ -240,7 +243,7 @@ class WeightStore:
         for e, n in enumerate(counts):
             pages = pt.pages[moe_layer * e_num + e]
             if n and (dense[e] is None or dense[e][0] is not pages):
-                dense[e] = (pages, *dense_expert(experts, e, x.dtype))
+                dense[e] = self._dense_copy(moe_layer, e, x.dtype)
         w13 = [None if d is None else d[1] for d in dense]
         w2 = [None if d is None else d[2] for d in dense]
         return moe_ffn_grouped(x, topk_ids, topk_w, w13, w2, counts, self.activation)

@@ -140,27 +140,22 @@ def median_of_tables(paths: list[str | Path]) -> tuple[pd.DataFrame, dict]:
     if not paths:
         raise SpecError("median_of_tables: no tables given")
     tables = [read_kernel_table(p) for p in paths]
-    first, meta = tables[0]
     keys = list(KEY_COLUMNS)
-    order = first[keys].astype(str).agg("|".join, axis=1)
-    if order.duplicated().any():
-        raise SpecError(f"{paths[0]}: line {int(order.duplicated().idxmax()) + 2}: a row repeats its keys")
-    stacked = []
-    for path, (df, _) in zip(paths, tables, strict=True):
-        index = df[keys].astype(str).agg("|".join, axis=1)
-        if set(index) != set(order) or len(index) != len(order):
-            missing = sorted(set(order) - set(index))[:3]
-            extra = sorted(set(index) - set(order))[:3]
+    first, meta = tables[0]
+    rows = list(first[keys].itertuples(index=False, name=None))
+    if len(set(rows)) != len(rows):
+        raise SpecError(f"{paths[0]}: a row repeats the keys of another ({', '.join(keys)})")
+    for path, (df, _) in zip(paths[1:], tables[1:], strict=True):
+        other = list(df[keys].itertuples(index=False, name=None))
+        if len(other) != len(rows) or set(other) != set(rows):
+            missing, extra = sorted(set(rows) - set(other))[:3], sorted(set(other) - set(rows))[:3]
             raise SpecError(
                 f"{path}: not the grid of {paths[0]} (rows missing: {missing or 'none'}; "
                 f"rows not in it: {extra or 'none'}); profile both with the same scenario and ops"
             )
-        stacked.append(df.set_axis(index)[list(VALUE_COLUMNS)].loc[order])
-    values = pd.concat(stacked, keys=range(len(stacked)))
+    how = {col: "median" for col in VALUE_COLUMNS[:3]} | {"samples": "sum"}
+    merged = pd.concat([df for df, _ in tables]).groupby(keys, sort=False).agg(how)
     out = first.copy()
-    for col in VALUE_COLUMNS[:3]:
-        out[col] = values[col].groupby(level=1).median().loc[order].to_numpy()
-    out["samples"] = values["samples"].groupby(level=1).sum().loc[order].to_numpy()
+    out[list(how)] = merged.loc[rows, list(how)].to_numpy()
     dates = [m.get("date") for _, m in tables]
-    meta = {**meta, "profiles": len(tables), "dates": [str(dates[0]), str(dates[-1])]}
-    return out, meta
+    return out, {**meta, "profiles": len(tables), "dates": [str(dates[0]), str(dates[-1])]}
