@@ -63,6 +63,28 @@ def test_a_pooled_run_compares_with_one_simulated_run(runs):
     assert "real runs (3), their medians above: output tok/s" in text and "fastest / slowest" in text
 
 
+def test_four_pooled_runs_say_how_far_their_halves_differ(runs, tmp_path):
+    from pagedweight.results.pooled import RUN_FIGURES
+    from pagedweight.results.report import write_report
+
+    base, dirs = runs
+    fourth = tmp_path / "run-4"
+    run_scenario(load_scenario(GOOD, ["seed=3"]), fourth, report=False)
+    four = [*dirs, fourth]
+    pool_runs(four, tmp_path / "pooled")
+    v = compare(tmp_path / "pooled", dirs[0], bounds={})
+    summaries = [json.loads((d / "summary.json").read_text()) for d in four]
+    for policy, e in v["policies"].items():
+        rates = [s["policies"][policy]["output_throughput"] for s in summaries]
+        # Runs 1 and 4 against 2 and 3, in % of the median of all four.
+        expected = abs(np.median([rates[0], rates[3]]) - np.median(rates[1:3])) / np.median(rates) * 100
+        assert e["real_split_half_perc"]["output_throughput"] == pytest.approx(expected)
+        assert set(e["real_split_half_perc"]) == set(RUN_FIGURES)
+    assert "the real runs' two halves differ by output_throughput" in format_validation(v)
+    page = write_report([dirs[0], tmp_path / "pooled"], tmp_path / "validation_report.html", validation=v)
+    assert "real runs' halves differ by" in Path(page).read_text()
+
+
 def _transitions(d: Path, policy: str) -> pd.DataFrame:
     tr = pd.read_csv(d / "transitions.csv") if (d / "transitions.csv").stat().st_size else pd.DataFrame()
     return tr[(tr["policy"] == policy) & (tr["kind"] != "abort")] if len(tr) else tr

@@ -63,6 +63,45 @@ def test_step_time_by_shape_buckets_and_errors():
     assert rows["prefill 257-512"]["error_perc"] == pytest.approx(-10.0)
 
 
+def test_matched_step_times_compare_like_shapes():
+    """Two runs whose steps take the same time shape for shape, but in different mixes: no gap,
+    though their plain means differ by 2x."""
+    import pandas as pd
+
+    from pagedweight.results.validation import matched_step_times
+
+    def steps(rows):
+        return pd.DataFrame(
+            [dict(num_prefill_tokens=p, num_decodes=d, duration_s=t, num_downgrades=0, num_upgrades=0)
+             for p, d, t in rows]
+        )  # fmt: skip
+
+    decode, prefill = (0, 8, 0.010), (300, 4, 0.080)
+    real = steps([decode] * 6 + [prefill] * 2)
+    sim = steps([decode] * 2 + [prefill] * 2 + [(2000, 0, 1.0)])  # a class the real run lacks: left out
+    assert sim["duration_s"].mean() > 2 * real["duration_s"].mean()
+    assert matched_step_times(real, sim) == pytest.approx((0.0275, 0.0275))
+    # Shape for shape 10% slower: the gap is 10% of the real run's matched step.
+    slower = sim.assign(duration_s=sim["duration_s"] * 1.1)
+    real_s, sim_s = matched_step_times(real, slower)
+    assert sim_s == pytest.approx(1.1 * real_s)
+    # No class in common: the plain means.
+    assert matched_step_times(real, steps([(2000, 0, 1.0)])) == pytest.approx((real["duration_s"].mean(), 1.0))
+
+
+def test_split_half_compares_balanced_halves_of_the_real_runs():
+    from pagedweight.results.validation import split_half_perc
+
+    # Runs 1, 4, 5, 8 (one of each pair, each policy order twice) against 2, 3, 6, 7.
+    rates = [110.0, 90.0, 90.0, 110.0, 110.0, 90.0, 90.0, 110.0]
+    assert split_half_perc({"output_throughput": rates}) == pytest.approx({"output_throughput": 20.0})
+    # A drift over time or a policy order that is slower falls on both halves alike.
+    assert split_half_perc({"m": [100.0, 100.0, 120.0, 120.0, 140.0, 140.0, 160.0, 160.0]}) == {"m": 0.0}
+    assert split_half_perc({"m": [100.0, 120.0] * 4}) == {"m": 0.0}
+    # Below four runs, or a run without the figure: nothing to say.
+    assert split_half_perc({"m": [1.0, 2.0, 3.0], "n": [1.0, None, 2.0, 3.0]}) == {}
+
+
 def test_a_wrong_simulation_is_caught(two_runs, tmp_path):
     real, sim = two_runs
     v = compare(real, sim)

@@ -14,8 +14,8 @@ percentiles, counts, KV usage) the median over the runs of each run's own figure
 run. A percentile over the requests of all runs together would mix the machine's fast and slow
 spells into a tail that no single run has: in five validations of four runs each, the
 simulation of static-fp16 (fitted in sample) came 10-27% short of its P99 TTFT pooled that way,
-and within 11% of the median of the runs' own. ``real_runs`` keeps each run's output
-throughput, median TTFT and mean TPOT, in run order.
+and within 11% of the median of the runs' own. ``real_runs`` keeps each run's figures
+of the checked metrics (throughputs, median and P99 TTFT, mean TPOT), in run order.
 
 Tables: requests, steps and transitions of the runs one after another, each run's times moved
 to start where the previous run of the same policy ended, with a ``run`` column (1, 2, ...).
@@ -44,7 +44,9 @@ SUMMED = (
     "num_requests", "completed", "rejected", "unfinished", "duration_s", "total_input_tokens",
     "total_output_tokens", "prefill_tokens_computed", "num_steps", "wall_s",
 )  # fmt: skip
-RUN_FIGURES = ("output_throughput", "median_ttft_ms", "mean_tpot_ms")
+# Each run's own figures kept beside the pooled ones: the validation's checked metrics (their
+# spread across runs is what a check against them can resolve; ``validation.split_half_perc``).
+RUN_FIGURES = ("output_throughput", "request_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
 
 
 def pool_runs(run_dirs: list[Path], out_dir: Path) -> dict:

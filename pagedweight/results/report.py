@@ -190,25 +190,40 @@ def all_metrics_table(run: RunResults) -> str:
 
 def sim_real_table(sim: RunResults, real: RunResults) -> str:
     """Per policy and key metric: simulated, real, and (sim - real) / |real| in percent."""
+    from pagedweight.results.validation import split_half_perc
+
     rows = []
+    pooled = False
     for p in (p for p in sim.policies if p in real.policies):
         s, r = sim.metrics(p), real.metrics(p)
+        # Pooled real runs: how far two halves of them differ, the finest error they resolve.
+        halves = split_half_perc(r.get("real_runs") or {})
+        pooled = pooled or bool(halves)
         for key in (*KEY_METRICS, "mean_e2el_ms"):
             label, spec, _ = _METRIC[key]
             err = signed_error_perc(s.get(key), r.get(key))
             size = abs(err) if math.isfinite(err) else math.inf
             cls = "better" if size <= 10 else "worse" if size > 25 else ""
+            half = f"<td>{halves[key]:.1f}%</td>" if key in halves else "<td></td>"
             rows.append(
                 f"<tr><th>{html.escape(p)}</th><th>{html.escape(label)}</th><td>{fmt(s.get(key), spec)}</td>"
-                f'<td>{fmt(r.get(key), spec)}</td><td class="{cls}">{fmt(err, "{:+.1f}%")}</td></tr>'
+                f'<td>{fmt(r.get(key), spec)}</td><td class="{cls}">{fmt(err, "{:+.1f}%")}</td>{half}</tr>'
             )
     missing = sorted(set(sim.policies) ^ set(real.policies))
     note = f"<p>Only in one of the two runs: {html.escape(', '.join(missing))}.</p>" if missing else ""
+    halves_head = "<th>real runs' halves differ by</th>" if pooled else ""
+    halves_note = (
+        " The real runs are pooled repeats; their two halves (runs 1, 4, 5, 8, ... against 2, 3, 6, 7, ...) "
+        "differ from each other by the last column: no error is resolved more finely."
+        if pooled
+        else ""
+    )
     return (
         f"<table><tr><th>policy</th><th>metric</th><th>simulated ({html.escape(sim.name)})</th>"
-        f"<th>real ({html.escape(real.name)}, {html.escape(real.runtime)})</th><th>signed error</th></tr>"
+        f"<th>real ({html.escape(real.name)}, {html.escape(real.runtime)})</th><th>signed error</th>{halves_head}</tr>"
         f"{''.join(rows)}</table>{note}"
-        "<p>Signed error = (simulated &minus; real) / |real|: positive means the simulator predicts more.</p>"
+        "<p>Signed error = (simulated &minus; real) / |real|: positive means the simulator predicts more."
+        f"{halves_note}</p>"
     )
 
 

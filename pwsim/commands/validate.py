@@ -12,14 +12,17 @@ machine whose speed drifts (a shared VM ran the same table 0.5-0.8x as long minu
 not alike for every op), a table measured across the real runs is the fair one.
 
 ``--calibrate`` fits a per-deployment term to the real run: the simulator is re-run with the
-step overhead moved by the mean step-time gap until the gap is under 1% of a real step (a few
-runs). Where even no overhead leaves the simulated steps slower (the machine ran faster than
-when a table was profiled), the table's times are scaled down instead. Fit on one policy
-(``--calibrate static-fp16``) and the errors of the others are out of sample; fitted on all,
-every error is in sample. The uncalibrated errors stay in the output beside the calibrated ones.
+step overhead moved by the step-time gap until the gap is under 1% of a real step (a few runs).
+The gap is taken between steps of the same shape class (``matched_step_times``), not between
+the runs' mean steps, whose mixes of shapes differ. Where even no overhead leaves the simulated
+steps slower (the machine ran faster than when a table was profiled), the table's times are
+scaled down instead. Fit on one policy (``--calibrate static-fp16``) and the errors of the
+others are out of sample; fitted on all, every error is in sample. The uncalibrated errors
+stay in the output beside the calibrated ones.
 
 ``--repeats N`` runs the engine N times (the policies' order reversed every other run) and
-compares the typical run (``pagedweight.results.pooled``), printing each run's own figures.
+compares the typical run (``pagedweight.results.pooled``), printing each run's own figures and
+how far two halves of the runs differ (``split_half_perc``), the finest error the check resolves.
 """
 
 from __future__ import annotations
@@ -244,7 +247,7 @@ def _run_real(args: argparse.Namespace, loaded, real_dir: Path, env: dict | None
         pool_runs(runs, real_dir)
 
 
-CALIBRATION_TOLERANCE = 0.01  # stop when the mean step-time gap is under 1% of a real step
+CALIBRATION_TOLERANCE = 0.01  # stop when the step-time gap is under 1% of a real step
 CALIBRATION_MAX_RUNS = 5
 
 
@@ -252,10 +255,8 @@ def _calibrate(args: argparse.Namespace, real_dir: Path, sim_dir: Path) -> tuple
     """Move the step overhead (or, below zero overhead, a table's scale) by the mean step-time
     gap of the ``--calibrate`` policies and re-simulate until the gap closes. Returns the
     calibration record and the calibrated run's directory."""
-    import pandas as pd
-
     from pagedweight.config.scenario import load_scenario
-    from pagedweight.results.validation import compare, step_overhead_key, step_time_gap_s
+    from pagedweight.results.validation import compare, matched_step_times_s, step_overhead_key
     from pwsim.run import run_scenario
 
     loaded = load_scenario(args.scenario, args.overrides)
@@ -265,9 +266,6 @@ def _calibrate(args: argparse.Namespace, real_dir: Path, sim_dir: Path) -> tuple
     is_table = lat.kind == "table"
     initial = lat.fallback.step_overhead_s if is_table else lat.step_overhead_s
     initial_scale = lat.scale if is_table else 1.0
-    real_steps = pd.read_csv(real_dir / "steps.csv")
-    real_steps = real_steps[real_steps["policy"].isin(fit_on)]
-    real_step_s = float(real_steps["duration_s"].mean())
     cal_dir = sim_dir.with_name("sim-calibrated")
 
     def simulate(scale: float, overhead: float) -> None:
@@ -278,7 +276,10 @@ def _calibrate(args: argparse.Namespace, real_dir: Path, sim_dir: Path) -> tuple
     scale, overhead, runs = initial_scale, initial, 0
     last: tuple[float, float] | None = None  # (overhead, gap) of the previous run at this scale
     while runs < CALIBRATION_MAX_RUNS:
-        gap = step_time_gap_s(real_dir, cal_dir if runs else sim_dir, fit_on)
+        # Steps of the same shape compared (``matched_step_times_s``): the two schedules hold
+        # different mixes of shapes, and plain means would fit the mix.
+        real_step_s, sim_step_s = matched_step_times_s(real_dir, cal_dir if runs else sim_dir, fit_on)
+        gap = real_step_s - sim_step_s
         if runs and abs(gap) < CALIBRATION_TOLERANCE * real_step_s:
             break
         if overhead + gap >= 0 or not is_table:
@@ -293,14 +294,15 @@ def _calibrate(args: argparse.Namespace, real_dir: Path, sim_dir: Path) -> tuple
             overhead = max(0.0, overhead + step)
         else:  # the table alone takes longer than the real steps: scale its times to fit
             last = None
-            kernels_s = real_step_s - gap - overhead  # the simulated mean step without overhead
+            kernels_s = sim_step_s - overhead  # the simulated step without overhead
             scale *= real_step_s / kernels_s
             overhead = 0.0
         simulate(scale, overhead)
         runs += 1
     before = compare(real_dir, sim_dir, bounds={})
     headline = ("output_throughput", "mean_tpot_ms", "median_ttft_ms", "p99_ttft_ms")
-    remaining = step_time_gap_s(real_dir, cal_dir, fit_on)
+    real_step_s, sim_step_s = matched_step_times_s(real_dir, cal_dir, fit_on)
+    remaining = real_step_s - sim_step_s
     return {
         "key": key,
         "initial_step_overhead_s": initial,
