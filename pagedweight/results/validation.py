@@ -342,9 +342,10 @@ def format_validation(v: dict) -> str:
                 "      " + ", ".join(f"{b} x{x['real']:.2f} / x{x['sim']:.2f}" for b, x in d["by_shape"].items())
             )
         if "suggested_extra_step_overhead_s" in e:
-            st = e["mean_step_s"]
+            st, mt = e["mean_step_s"], e.get("matched_step_s", e["mean_step_s"])
             lines.append(
-                f"    mean step: real {st['real'] * 1e3:.2f} ms, sim {st['sim'] * 1e3:.2f} ms -> add "
+                f"    mean step: real {st['real'] * 1e3:.2f} ms, sim {st['sim'] * 1e3:.2f} ms; steps of the same "
+                f"shape: real {mt['real'] * 1e3:.2f} ms, sim {mt['sim'] * 1e3:.2f} ms -> add "
                 f"{e['suggested_extra_step_overhead_s'] * 1e3:+.2f} ms to the latency model's step_overhead_s"
             )
     if v.get("out_of_grid"):
