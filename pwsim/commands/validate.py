@@ -252,8 +252,8 @@ CALIBRATION_MAX_RUNS = 5
 
 
 def _calibrate(args: argparse.Namespace, real_dir: Path, sim_dir: Path) -> tuple[dict, Path]:
-    """Move the step overhead (or, below zero overhead, a table's scale) by the mean step-time
-    gap of the ``--calibrate`` policies and re-simulate until the gap closes. Returns the
+    """Move the step overhead (or, below zero overhead, a table's scale) by the step-time gap
+    of the ``--calibrate`` policies (steps of the same shape) and re-simulate until it closes. Returns the
     calibration record and the calibrated run's directory."""
     from pagedweight.config.scenario import load_scenario
     from pagedweight.results.validation import compare, matched_step_times_s, step_overhead_key
