@@ -156,8 +156,8 @@ def split_half_perc(real_runs: dict[str, list]) -> dict[str, float]:
     for metric, values in real_runs.items():
         if len(values) < 4 or any(v is None or not np.isfinite(v) for v in values):
             continue
-        first = [v for i, v in enumerate(values) if (i % 2 == 0) == ((i // 2) % 2 == 0)]
-        second = [v for i, v in enumerate(values) if (i % 2 == 0) != ((i // 2) % 2 == 0)]
+        first = [v for i, v in enumerate(values) if i % 4 in (0, 3)]  # runs 1, 4, 5, 8, ...
+        second = [v for i, v in enumerate(values) if i % 4 in (1, 2)]
         typical = float(np.median(values))
         if typical:
             out[metric] = abs(float(np.median(first)) - float(np.median(second))) / abs(typical) * 100
