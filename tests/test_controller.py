@@ -417,7 +417,7 @@ def test_admission_is_capped_where_the_step_would_pass_the_tpot_slo():
             batch = step_with(core, clock, backend, duration)
             peak = max(peak, len(core.scheduler.running))
             slow_steps += duration(batch, batch.shape()) > 0.05
-            if policy == "pagedweight" and core.controller._shape_fit.num_steps > 60:
+            if policy == "pagedweight" and core.controller.steps.shape_fit.num_steps > 60:
                 # (45 ms - 5 ms - 256 x 20 us) / 1 ms: 34 requests, or those running already
                 n = len(core.scheduler.running)
                 assert core.controller.step_limits(clock.now_s)[1] == max(34, n)
@@ -466,7 +466,7 @@ def test_static_policies_have_no_step_limits_and_paper_greedy_no_slo_serving():
         core, _, _ = make_core(policy, budget_mib=400, tpot_slo_s=0.05, ttft_slo_s=1.0)
         assert core.scheduler.step_limits is None, policy
         if core.controller is not None:
-            assert core.controller.scheduler is None and core.controller._shape_fit is None
+            assert core.controller.scheduler is None and core.controller.steps.shape_fit is None
     core, _, _ = make_core("pagedweight", budget_mib=400, tpot_slo_s=0.05, ttft_slo_s=1.0)
     assert core.scheduler.step_limits == core.controller.step_limits
     core, _, _ = make_core("pagedweight", budget_mib=400, tpot_slo_s=0.05, slo_batching=False)
@@ -553,3 +553,52 @@ def test_a_cap_on_the_wait_of_late_requests_serves_them_again_in_arrival_order()
     assert max(r.first_scheduled_s for r in first) < max(r.first_scheduled_s for r in second)
     order = [r.request_id for r in sorted(first, key=lambda r: r.first_scheduled_s)]
     assert order == sorted(order)  # the first wave itself stays in arrival order
+
+
+def test_queue_watch_enters_a_backlog_at_once_and_leaves_it_only_after_a_calm_spell():
+    """``QueueWatch``: a projected wait past ``enter_s`` starts a backlog; it ends only after
+    the wait has stayed under half of ``enter_s`` for ``calm_s`` (a wait between the two lines
+    restarts the calm spell), and ``update`` says when it ended. The pressure EMA moves toward 1
+    while the queue presses and decays by exp(-dt / calm_s) toward 0 once it does not."""
+    import math
+
+    from pagedweight.policy.serving_order import QueueWatch
+
+    q = QueueWatch(enter_s=1.0, calm_s=10.0)
+    assert not q.update(0.0, 0.4) and not q.backlog and q.pressure == 0.0
+    assert not q.update(1.0, 1.5) and q.backlog
+    p = 1.0 - math.exp(-1 / 10)
+    assert q.pressure == pytest.approx(p)
+    assert not q.update(2.0, 0.2) and q.backlog  # calm from 2 s
+    assert not q.update(8.0, 0.7) and q.backlog  # past the calm line: the spell restarts
+    assert not q.update(9.0, 0.2) and not q.update(18.5, 0.2) and q.backlog  # calm since 9 s
+    assert q.update(19.0, 0.2) and not q.backlog  # 10 s calm: ended, said once
+    assert not q.update(20.0, 0.2) and not q.backlog
+    before = q.pressure
+    assert not q.update(30.0, 0.2) and q.pressure == pytest.approx(before * math.exp(-1.0))
+
+
+def test_step_stats_keep_the_mean_step_and_the_seconds_per_prefill_token():
+    """``StepStats``: the first step sets the mean, later ones move it by 1/256 of the gap;
+    only prefill-heavy steps (>= 64 prefill tokens, no fewer than the decodes) give seconds
+    per computed token; the shape fit's per-token slope is preferred once it has one."""
+    from pagedweight.policy.latency_cap import StepShapeFit
+    from pagedweight.policy.step_stats import StepStats
+
+    st = StepStats()
+    st.observe(0.020, prefill_tokens=0, decodes=8)
+    assert st.step_ema_s == 0.020 and st.token_ema_s == 0.0 and st.prefill_token_s() == 0.0
+    st.observe(0.276, prefill_tokens=32, decodes=8)  # too few prefill tokens to price a token
+    assert st.step_ema_s == pytest.approx(0.021) and st.token_ema_s == 0.0
+    st.observe(0.1, prefill_tokens=990, decodes=10)
+    assert st.token_ema_s == pytest.approx(1e-4) and st.last_step_s == 0.1 and st.last_prefill_tokens == 990
+    st.observe(0.1, prefill_tokens=90, decodes=110)  # more decodes than prefill: not a sample
+    assert st.token_ema_s == pytest.approx(1e-4)
+    st.refit()
+    assert st.fit is None  # no shape fit kept
+    fitted = StepStats(StepShapeFit())
+    for i in range(StepShapeFit.MIN_STEPS):
+        p, d = 256 * (i % 4), 1 + i
+        fitted.observe(0.01 + 5e-5 * p + 1e-3 * d, p, d)
+    fitted.refit()
+    assert fitted.prefill_token_s() == pytest.approx(5e-5, rel=0.05)

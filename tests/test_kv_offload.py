@@ -71,31 +71,32 @@ def test_a_cached_prefix_is_discounted_by_what_readmitted_victims_found():
     swap_s = 2 * 1000 * per_token_bytes / 1e9
     assert swap_s < 1000 * 1e-4 / 2, "without a cache the swap is the cheaper by far"
     plain = computed(1000)
-    assert ctl.prefer_swap(plain) and not ctl._recomputed
+    assert ctl.prefer_swap(plain) and not ctl.offload.recomputed
     keyed = computed(1000)
     keyed.prompt_tokens, keyed.num_output_tokens = 990, 10
     keyed.block_hashes = list(range(990 // bt))
     cacheable = min(990 // bt, 989 // bt) * bt
     assert not ctl.prefer_swap(keyed), "all but the last blocks' tokens are expected from the cache"
-    assert ctl._recomputed == {keyed: cacheable}
+    assert ctl.offload.recomputed == {keyed: cacheable}
     # Readmitted: it found 10% of its prefix (its computed tokens before the step computes).
     keyed.state, keyed.num_computed_tokens = RUNNING, cacheable // 10
     ctl.observe_readmissions()
-    assert not ctl._recomputed and ctl._cache_survival == pytest.approx(1 + 0.1 * ((cacheable // 10) / cacheable - 1))
+    survival = pytest.approx(1 + 0.1 * ((cacheable // 10) / cacheable - 1))
+    assert not ctl.offload.recomputed and ctl.offload.cache_survival == survival
     keyed.state, keyed.num_computed_tokens = WAITING, 1000
-    assert ctl.prefer_swap(keyed) and not ctl._recomputed  # 9% of the prefix less: swap now
+    assert ctl.prefer_swap(keyed) and not ctl.offload.recomputed  # 9% of the prefix less: swap now
     for _ in range(30):  # every readmitted victim finds 10%: the estimate follows
-        ctl._recomputed[keyed] = cacheable
+        ctl.offload.recomputed[keyed] = cacheable
         keyed.state, keyed.num_computed_tokens = RUNNING, cacheable // 10
         ctl.observe_readmissions()
-    assert 0.1 <= ctl._cache_survival < 0.15
+    assert 0.1 <= ctl.offload.cache_survival < 0.15
     # A victim aborted while waiting is forgotten without a sample.
     gone = computed(1000)
     gone.prompt_tokens, gone.block_hashes = 990, list(range(990 // bt))
-    ctl._recomputed[gone] = cacheable
-    gone.state, before = REJECTED, ctl._cache_survival
+    ctl.offload.recomputed[gone] = cacheable
+    gone.state, before = REJECTED, ctl.offload.cache_survival
     ctl.observe_readmissions()
-    assert not ctl._recomputed and ctl._cache_survival == before
+    assert not ctl.offload.recomputed and ctl.offload.cache_survival == before
 
 
 @pytest.mark.parametrize("policy", ["static-fp16", "static-int4", "static-mixed", "paper-greedy", "kv-swap"])

@@ -44,7 +44,6 @@ is pinned at its target and its old pages still count.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -56,14 +55,15 @@ import numpy as np
 from pagedweight.core.kv_blocks import KvBlockAllocator
 from pagedweight.core.pagetable import ExpertPageTable
 from pagedweight.core.pool import OWNER_KV, OWNER_PINNED
-from pagedweight.core.scheduler import RUNNING, WAITING
 from pagedweight.core.spec import PRECISION_ID, PRECISION_NAMES
 from pagedweight.errors import ConfigError
 from pagedweight.policy.allocate import Plan, Problem, paper_greedy
 from pagedweight.policy.hull import MarginalPlanner
 from pagedweight.policy.importance import ImportanceTable, RoutingTracker
+from pagedweight.policy.kv_offload import KvOffload
 from pagedweight.policy.latency_cap import StepShapeFit, StepTimeModel, largest_budget_within
-from pagedweight.policy.serving_order import defer_late, projected_wait_s
+from pagedweight.policy.serving_order import QueueWatch, defer_late, projected_wait_s
+from pagedweight.policy.step_stats import StepStats
 
 if TYPE_CHECKING:
     from pagedweight.core.scheduler import Request
@@ -79,15 +79,6 @@ class ChangeKind(Enum):
 
 DOWNGRADE, UPGRADE, ABORT = ChangeKind.DOWNGRADE, ChangeKind.UPGRADE, ChangeKind.ABORT
 ROUTED_BLOCK_STEPS = 256
-STEP_EMA_WEIGHT = 1 / 256
-# Seconds per computed token: an EMA over ~32 prefill-heavy steps (at least PREFILL_SAMPLE_TOKENS
-# prefill tokens, and no fewer than the step's decodes), where a token's cost is mostly compute,
-# as a recomputed prefix's is.
-TOKEN_EMA_WEIGHT = 1 / 32
-PREFILL_SAMPLE_TOKENS = 64
-# KV offload: the share of a recomputed victim's cacheable prefix found in the prefix cache when
-# it is readmitted, an EMA over ~10 readmissions, starting at 1 (the cache keeps what it holds).
-SURVIVAL_EMA_WEIGHT = 1 / 10
 
 
 class Change(NamedTuple):
@@ -228,36 +219,28 @@ class Controller:
         # Set by the runtime (RuntimeCore.set_step_time_model): a step's predicted seconds for a
         # precision map. With settings.tpot_slo_s it puts speed in the objective (latency_cap.py).
         self.step_time_s: StepTimeModel | None = None
-        self._step_ema_s = 0.0  # recent steps' mean duration: what a decoding request's TPOT is
         self._floor_ids = np.full(page_table.num_experts, self.ladder_ids[-1], dtype=page_table.precision_ids.dtype)
+        # What the steps that ran say: the recent mean step (a decoding request's TPOT), seconds
+        # per computed token, the last step, and under a TPOT SLO the step time by shape.
+        ok = mode == "pagedweight" and settings.slo_batching and settings.tpot_slo_s is not None
+        self.steps = StepStats(StepShapeFit() if ok else None)
         # Prefix cache against downgrades (pagedweight; RuntimeCore turns on the allocator's
-        # ghost list when prefix caching is on): seconds per computed token, and the weight
-        # pages worth more than the cache's pages at its current value (the lowest that
-        # protection may push the weights to; None while nothing is protected).
-        self._token_ema_s = 0.0
+        # ghost list when prefix caching is on): the weight pages worth more than the cache's
+        # pages at its current value (the lowest that protection may push the weights to; None
+        # while nothing is protected).
+        self._weights_over_cache_pages: int | None = None
         # Set by the runtime (RuntimeCore.set_copy_time_model): seconds to copy so many bytes
         # between host and device, for ``prefer_swap`` (None: never swap).
         self.copy_time_s: Callable[[int], float] | None = None
-        # KV offload: the victims recomputed with a cached prefix, by their cacheable tokens, until
-        # readmitted, and the share of that prefix the cache has still held on readmission.
-        self._recomputed: dict[Request, int] = {}
-        self._cache_survival = 1.0
-        self._weights_over_cache_pages: int | None = None
+        self.offload = KvOffload(kv)
         # Serving under the SLOs (pagedweight): the scheduler whose queue and batch the controller
-        # reads (set by RuntimeCore), the learnt step time by shape, and the backlog state.
+        # reads (set by RuntimeCore), and the queue's backlog and pressure (under a TTFT SLO).
         self.scheduler = None
-        ok = mode == "pagedweight" and settings.slo_batching and settings.tpot_slo_s is not None
-        self._shape_fit = StepShapeFit() if ok else None
-        self._fit: tuple[float, float, float] | None = None  # (s, s per prefill token, s per decode)
-        self._backlog = False
-        # How hard the queue has pressed lately (cache_page_value): an EMA, over
-        # ``backlog_calm_s``, of whether its projected wait was past the backlog's calm line.
-        self._queue_pressure = 0.0
-        self._pressure_at_s: float | None = None
-        self._calm_since: float | None = None
+        ttft_s = settings.ttft_slo_s
+        self.queue: QueueWatch | None = None
+        if ttft_s is not None:
+            self.queue = QueueWatch(settings.backlog_fraction * ttft_s, settings.backlog_calm_s)
         self._deferring = False  # late requests were moved behind on-time ones
-        self._last_prefill_tokens = 0  # of the last step: a backlog's precision is chosen on a prefill step
-        self._last_step_s = 0.0
         self._speed_level: int | None = None  # the backlog's precision (ladder level), None: none
         self._speed_chosen_s = -np.inf
 
@@ -320,10 +303,11 @@ class Controller:
         loss units: its blocks' expected reuse (ghost hits per second per block) times the
         seconds their tokens' prefill costs, priced by ``recompute_weight`` x the ladder's loss
         span, and under a TTFT SLO by how hard the queue has pressed lately
-        (``_update_pressure``). 0 when nothing has been observed yet, or under a TTFT SLO
+        (``QueueWatch.pressure``). 0 when nothing has been observed yet, or under a TTFT SLO
         before the queue has ever pressed: then the cache gives way first."""
         kv, ghosts = self.kv, self.kv.ghosts
-        if ghosts is None or self._token_ema_s <= 0 or self._planner is None:
+        token_s = self.steps.token_ema_s
+        if ghosts is None or token_s <= 0 or self._planner is None:
             return 0.0
         pressure = 1.0
         if self._backlog_on():
@@ -331,10 +315,10 @@ class Controller:
             # first token its SLO: in proportion to how hard the queue has pressed lately. With
             # the queue calm, a recomputed prefix delays an answer that is well inside the SLO
             # anyway, and the cache gives way first, as in vLLM's order.
-            pressure = self._queue_pressure
+            pressure = self.queue.pressure
             if pressure <= 0.0:
                 return 0.0
-        recompute_s_per_s = ghosts.hit_rate_per_block(now_s) * self._token_ema_s * kv.block_tokens
+        recompute_s_per_s = ghosts.hit_rate_per_block(now_s) * token_s * kv.block_tokens
         weight = pressure * self.settings.recompute_weight
         return weight * self._planner.loss_span * recompute_s_per_s * kv.blocks_per_page
 
@@ -444,8 +428,7 @@ class Controller:
         low = int(s.low_watermark * self.pool.num_pages)
         high = int(s.high_watermark * self.pool.num_pages)
         room = self._available_weight_pages(forecast_pages, low)
-        if self._shape_fit is not None:
-            self._fit = self._shape_fit.fit()
+        self.steps.refit()
         backlog = self._update_backlog(now_s)
         if self.kv.ghosts is not None:
             room -= self._protect(room, now_s)
@@ -470,7 +453,7 @@ class Controller:
             changes = self._rebalanced(now_s)
         else:
             changes = []
-        if not changes and backlog and self._last_prefill_tokens >= s.min_prefill_tokens:
+        if not changes and backlog and self.steps.last_prefill_tokens >= s.min_prefill_tokens:
             changes = self._backlog_downgrades(now_s)
         if not changes:
             changes = self._speed_downgrades()
@@ -485,80 +468,34 @@ class Controller:
         return -(-int(self._problem.min_bytes.sum()) // self.pool.page_bytes)
 
     def observe_step(self, duration_s: float, prefill_tokens: int = 0, decodes: int = 0) -> None:
-        """A step's duration: each running request got one token from it, so the recent mean is
-        the TPOT a decoding request sees (an EMA over ~256 steps, about one output). A
-        prefill-heavy step also gives the seconds a computed token costs (what a cached block
-        saves), learnt the same way in both runtimes."""
-        if self._step_ema_s == 0.0:
-            self._step_ema_s = duration_s
-        else:
-            self._step_ema_s += STEP_EMA_WEIGHT * (duration_s - self._step_ema_s)
-        self._last_prefill_tokens = prefill_tokens
-        self._last_step_s = duration_s
-        if self._shape_fit is not None:
-            self._shape_fit.observe(duration_s, prefill_tokens, decodes)
-        if prefill_tokens >= PREFILL_SAMPLE_TOKENS and prefill_tokens >= decodes:
-            per_token_s = duration_s / (prefill_tokens + decodes)
-            if self._token_ema_s == 0.0:
-                self._token_ema_s = per_token_s
-            else:
-                self._token_ema_s += TOKEN_EMA_WEIGHT * (per_token_s - self._token_ema_s)
+        """A step's duration and shape (``StepStats``): each running request got one token from
+        it, so the recent mean is the TPOT a decoding request sees; a prefill-heavy step also
+        gives the seconds a computed token costs (what a cached block saves)."""
+        self.steps.observe(duration_s, prefill_tokens, decodes)
 
     def prefer_swap(self, req: Request) -> bool:
         """KV offload (``kv_offload``; the scheduler asks for each victim of a preemption):
-        swap ``req`` when copying the KV of its computed tokens to the host and back (the
-        runtime's copy-time model, twice) takes less time than recomputing them at the learnt
-        seconds per prefill token. Under prefix caching a recompute finds part of its prompt in
-        the cache (its own blocks, registered as it let go of them), if they are not evicted
-        before it is readmitted: that part is discounted by the share recomputed victims have
-        found (``observe_readmissions``). A copy's fixed cost makes short requests cheaper to
-        recompute. Recompute while either time is unknown, or nothing is computed."""
-        tokens = req.num_computed_tokens
-        per_token_s = self._prefill_token_s()
-        if self.copy_time_s is None or tokens <= 0 or per_token_s <= 0:
-            return False
-        kv = self.kv
-        cacheable = 0
-        if req.block_hashes is not None and self.scheduler is not None and self.scheduler.prefix_caching:
-            bt = kv.block_tokens
-            cacheable = min(len(req.block_hashes), (req.prompt_tokens - 1) // bt, tokens // bt) * bt
-        recompute_s = (tokens - self._cache_survival * cacheable) * per_token_s
-        swap = 2 * self.copy_time_s(tokens * kv.block_bytes // kv.block_tokens) < recompute_s
-        if not swap and cacheable:
-            self._recomputed[req] = cacheable
-        return swap
+        whether swapping ``req`` costs less time than recomputing it (``KvOffload``)."""
+        sched = self.scheduler
+        caching = sched is not None and sched.prefix_caching
+        return self.offload.prefer_swap(req, self.steps.prefill_token_s(), self.copy_time_s, caching)
 
     def observe_readmissions(self) -> None:
-        """After a schedule: a victim recomputed with a cacheable prefix that this schedule
-        readmitted found its computed tokens (before the step computes) in the cache; their
-        share of its cacheable prefix updates the estimate ``prefer_swap`` discounts by."""
-        if not self._recomputed:
-            return
-        for req, cacheable in list(self._recomputed.items()):
-            state = req.state
-            if state is WAITING:
-                continue
-            del self._recomputed[req]
-            if state is RUNNING:
-                found = min(1.0, req.num_computed_tokens / cacheable)
-                self._cache_survival += SURVIVAL_EMA_WEIGHT * (found - self._cache_survival)
-
-    def _prefill_token_s(self) -> float:
-        """Seconds a prefill token costs: the learnt step-shape fit's, else the recent EMA."""
-        return self._fit[1] if self._fit is not None and self._fit[1] > 0 else self._token_ema_s
+        """After a schedule: what the readmitted recomputed victims found in the cache."""
+        self.offload.observe_readmissions()
 
     def _tpot_model(self):
         """Predicted TPOT for a precision map: the recent mean step, plus what the runtime's model
         says the last step would have gained or lost with that map. Added, not scaled: the bytes
         are read once a step whatever else the step computes (a prefill chunk's compute is not
         made faster by smaller weights)."""
-        base_s = self._step_ema_s - self.step_time_s(self.page_table.precision_ids)
+        base_s = self.steps.step_ema_s - self.step_time_s(self.page_table.precision_ids)
         return lambda ids: base_s + self.step_time_s(ids)
 
     def _speed_capped(self, budget_pages: int, slo_fraction: float) -> int:
         """``budget_pages``, or less if its plan's TPOT would exceed ``slo_fraction`` of the SLO
         and a smaller budget's would not."""
-        if not self._speed_on() or self._step_ema_s <= 0:
+        if not self._speed_on() or self.steps.step_ema_s <= 0:
             return budget_pages
         limit_s = self.settings.tpot_slo_s * slo_fraction
         ids_of = self._plan_ids(pinned=True)
@@ -569,7 +506,7 @@ class Controller:
         """Downgrade when the current precisions make TPOT miss the SLO and a cheaper map would
         meet it."""
         slo_s = self.settings.tpot_slo_s
-        if not self._speed_on() or self._step_ema_s <= slo_s:
+        if not self._speed_on() or self.steps.step_ema_s <= slo_s:
             return []
         weights = self.pool.num_weight_pages()
         floor = self._floor_pages()
@@ -584,69 +521,42 @@ class Controller:
             return []
         # The mean lags the change: count the steps to come at their predicted time, or the
         # next plans would downgrade again for steps already made faster.
-        self._step_ema_s = tpot(ids_of(cap))
+        self.steps.step_ema_s = tpot(ids_of(cap))
         return self._shrink_to(cap)
 
     # ---- serving under the SLOs (pagedweight): backlog, batch limits, late requests --------------
     def _backlog_on(self) -> bool:
-        s = self.settings
         return (
             self.mode == "pagedweight"
-            and s.ttft_slo_s is not None
+            and self.queue is not None
             and self.scheduler is not None
             and self.step_time_s is not None
         )
 
     def queue_wait_s(self, now_s: float) -> float:
         """The queue's projected wait for a first token (``serving_order.projected_wait_s``)."""
-        return projected_wait_s(self.scheduler.waiting, now_s, self.settings.ttft_slo_s, self._prefill_token_s())
+        return projected_wait_s(self.scheduler.waiting, now_s, self.settings.ttft_slo_s, self.steps.prefill_token_s())
 
     def _update_backlog(self, now_s: float) -> bool:
-        """Backlog on when the queue's projected wait passes ``backlog_fraction`` of the TTFT SLO;
-        off once it has stayed under half of that for ``backlog_calm_s`` (hysteresis: bursts a
-        few seconds apart do not flip every expert back and forth). The same look at the queue
-        updates its pressure (``_update_pressure``)."""
+        """Whether the queue is in backlog now (``QueueWatch``: on past ``backlog_fraction`` of
+        the TTFT SLO, off after ``backlog_calm_s`` under half of it). When a backlog ends, its
+        precision is dropped and upgrades may go above it again."""
         if not self._backlog_on():
             return False
-        s = self.settings
-        enter_s = s.backlog_fraction * s.ttft_slo_s
-        wait_s = self.queue_wait_s(now_s) if self.scheduler.waiting else 0.0
-        if wait_s > enter_s:
-            self._backlog, self._calm_since = True, None
-        elif self._backlog:
-            if wait_s > enter_s / 2:
-                self._calm_since = None
-            elif self._calm_since is None:
-                self._calm_since = now_s
-            elif now_s - self._calm_since >= s.backlog_calm_s:
-                self._backlog, self._calm_since, self._speed_level = False, None, None
-                self._planned_for = None  # upgrades may go above the backlog's precision again
-        self._update_pressure(now_s, self._backlog or wait_s > enter_s / 2)
-        return self._backlog
-
-    def _update_pressure(self, now_s: float, pressed: bool) -> None:
-        """Fold whether the queue presses now (its projected wait past the backlog's calm line,
-        or a backlog) into ``_queue_pressure``, an EMA with time constant ``backlog_calm_s``. A
-        cached page lives tens of seconds before its reuse, so what its recompute time is worth
-        follows the pressure of that span, not of the instant: a wait that crosses the line for
-        a moment adds little, and one that comes and goes does not switch the cache's protection
-        (and with it downgrades and upgrades) on and off."""
-        last, self._pressure_at_s = self._pressure_at_s, now_s
-        target = 1.0 if pressed else 0.0
-        calm_s = self.settings.backlog_calm_s
-        if last is None or calm_s <= 0:
-            self._queue_pressure = target
-            return
-        self._queue_pressure -= math.expm1(-(now_s - last) / calm_s) * (target - self._queue_pressure)
+        queue = self.queue
+        if queue.update(now_s, self.queue_wait_s(now_s) if self.scheduler.waiting else 0.0):
+            self._speed_level = None
+            self._planned_for = None  # upgrades may go above the backlog's precision again
+        return queue.backlog
 
     @property
     def backlog(self) -> bool:
-        return self._backlog
+        return self.queue is not None and self.queue.backlog
 
     @property
     def queue_pressure(self) -> float:
-        """How hard the queue has pressed lately, in [0, 1] (``_update_pressure``)."""
-        return self._queue_pressure
+        """How hard the queue has pressed lately, in [0, 1] (``QueueWatch.pressure``)."""
+        return 0.0 if self.queue is None else self.queue.pressure
 
     def _at_most_speed_level(self, target_ids: np.ndarray) -> np.ndarray | None:
         """A plan's precisions under backlog: none above the backlog's precision, and that
@@ -677,7 +587,7 @@ class Controller:
             # The last step as it ran, plus what the model says each map changes: a model that
             # prices only the weights' bytes (the engine's) then compares whole steps too.
             self._speed_chosen_s = now_s
-            base_s = max(0.0, self._last_step_s - self.step_time_s(cur))
+            base_s = max(0.0, self.steps.last_step_s - self.step_time_s(cur))
             options = []
             for lvl, pid in enumerate(self.ladder_ids.tolist()):
                 ids = np.full_like(cur, pid)
@@ -709,7 +619,7 @@ class Controller:
         budget, max_seqs = sched.config.max_num_batched_tokens, sched.config.max_num_seqs
         if s.ttft_slo_s is not None and sched.waiting:
             self._deferring = defer_late(sched.waiting, now_s, s.ttft_slo_s, s.late_wait_max_s, self._deferring)
-        fit = self._fit
+        fit = self.steps.fit
         if fit is None:
             return budget, max_seqs
         a, b, c = fit

@@ -1,6 +1,7 @@
 """The waiting queue under a TTFT SLO: how long it will make its head wait, and the order that
 serves the requests that can still meet the SLO first (``pagedweight``; docs/DESIGN.md,
-"Serving under the SLOs"). Functions of the queue alone; the controller keeps the state.
+"Serving under the SLOs"). Functions of the queue alone, and ``QueueWatch``: the backlog's
+hysteresis and the queue's recent pressure, kept by the controller from the projected wait.
 """
 
 from __future__ import annotations
@@ -68,3 +69,52 @@ def defer_late(
         waiting.extend(on_time)
         waiting.extend(late)
     return bool(late)
+
+
+class QueueWatch:
+    """Whether the queue is in backlog, and how hard it has pressed lately, from its projected
+    wait (``projected_wait_s``) at each plan.
+
+    Backlog: on when the projected wait passes ``enter_s`` (``backlog_fraction`` of the TTFT
+    SLO); off once it has stayed under half of that for ``calm_s`` (hysteresis: bursts a few
+    seconds apart do not flip every expert back and forth).
+
+    Pressure: whether the queue presses now (a backlog, or a wait past the calm line) folded
+    into an EMA with time constant ``calm_s``, in [0, 1]. A cached page lives tens of seconds
+    before its reuse, so what its recompute time is worth follows the pressure of that span,
+    not of the instant: a wait that crosses the line for a moment adds little, and one that
+    comes and goes does not switch the cache's protection (and with it downgrades and
+    upgrades) on and off."""
+
+    def __init__(self, enter_s: float, calm_s: float):
+        self.enter_s = enter_s
+        self.calm_s = calm_s
+        self.backlog = False
+        self.pressure = 0.0
+        self._pressure_at_s: float | None = None
+        self._calm_since: float | None = None
+
+    def update(self, now_s: float, wait_s: float) -> bool:
+        """The queue's projected wait now; returns whether a backlog ended with it."""
+        enter_s = self.enter_s
+        ended = False
+        if wait_s > enter_s:
+            self.backlog, self._calm_since = True, None
+        elif self.backlog:
+            if wait_s > enter_s / 2:
+                self._calm_since = None
+            elif self._calm_since is None:
+                self._calm_since = now_s
+            elif now_s - self._calm_since >= self.calm_s:
+                self.backlog, self._calm_since, ended = False, None, True
+        self._update_pressure(now_s, self.backlog or wait_s > enter_s / 2)
+        return ended
+
+    def _update_pressure(self, now_s: float, pressed: bool) -> None:
+        last, self._pressure_at_s = self._pressure_at_s, now_s
+        target = 1.0 if pressed else 0.0
+        calm_s = self.calm_s
+        if last is None or calm_s <= 0:
+            self.pressure = target
+            return
+        self.pressure -= math.expm1(-(now_s - last) / calm_s) * (target - self.pressure)
