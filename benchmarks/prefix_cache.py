@@ -2,7 +2,9 @@
 held by requests, preemptions and TTFT per policy per scenario, and the simulator's speed (CPU
 seconds of the same runs, on and off side by side, so machine load affects both alike, after
 an untimed short run of each policy both ways so that neither mode pays the process's one-time
-costs).
+costs; each policy runs on, off, off, on (``--rounds 2``), so that neither mode always runs
+first after the previous policy's runs, and the two runs of a mode must agree in every figure
+but time).
 
 Scenarios: the shipped ones named by --scenarios, and ``mooncake``: scenarios/longctx.yaml on
 ../shared/traces/mooncake_synthetic.jsonl (Mooncake's own hash_ids; skipped when absent), its
@@ -55,6 +57,7 @@ def main() -> int:
     ap.add_argument("--policies", default="static-fp16,static-int4,kv-swap,paper-greedy,pagedweight")
     ap.add_argument("--mooncake-requests", type=int, default=1000)
     ap.add_argument("--caching", default="on,off", help="on, off or both (on,off)")
+    ap.add_argument("--rounds", type=int, default=2, help="timed runs of each mode, in ABBA order (1: AB)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     modes = [{"on": True, "off": False}[m] for m in args.caching.split(",")]
@@ -77,8 +80,16 @@ def main() -> int:
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, path, overrides in cases:
         for policy in args.policies.split(","):
-            for caching in modes:
+            order = [m for i in range(args.rounds) for m in (modes if i % 2 == 0 else modes[::-1])]
+            runs: dict[bool, list[dict]] = {}
+            for caching in order:
                 r = run_one(path, [*overrides, f"memory.prefix_caching={str(caching).lower()}"], policy)
+                runs.setdefault(caching, []).append(r)
+            for caching in modes:
+                first = runs[caching][0]
+                if any(x | {"cpu_s": 0, "wall_s": 0} != first | {"cpu_s": 0, "wall_s": 0} for x in runs[caching]):
+                    raise SystemExit(f"{name} {policy}: two runs of the same mode differ")
+                r = first | {"cpu_s": sum(x["cpu_s"] for x in runs[caching]) / len(runs[caching])}
                 rows.append({"scenario": name, "policy": policy, "caching": caching, **r})
                 cells = [name, policy, "on" if caching else "off", f"{r['prefix_cache_hit_rate']:.1%}"]
                 cells += [f"{r['prefill_tokens_saved']:,}", f"{r['num_evicted_blocks']:,}"]
@@ -86,7 +97,7 @@ def main() -> int:
                 cells += [str(r["num_preemptions"]), f"{r['mean_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}"]
                 cells += [str(r["num_downgrades"]), f"{r['mean_quality_proxy']:.4g}"]
                 print("| " + " | ".join([*cells, f"{r['cpu_s']:.2f}"]) + " |", flush=True)
-    print("\nSimulator CPU seconds, caching on / off (same runs):")
+    print(f"\nSimulator CPU seconds, caching on / off (same runs, mean of {args.rounds} each):")
     for name, _, _ in cases:
         on = sum(r["cpu_s"] for r in rows if r["scenario"] == name and r["caching"])
         off = sum(r["cpu_s"] for r in rows if r["scenario"] == name and not r["caching"])
