@@ -23,7 +23,7 @@ from pagedweight.config.kernel_table import KEY_COLUMNS, OP_GROUPS
 from pagedweight.core.spec import PRECISION_NAMES, ModelSpec
 from pagedweight.errors import ConfigError
 from pwgpu.attention import PagedKvCache, build_batch, paged_attention
-from pwgpu.cpu_kernels import cpu_linear, dense_dtype
+from pwgpu.cpu_kernels import cpu_linear, dense_dtype, moe_ffn_grouped
 from pwgpu.host_allocator import keep_host_temporaries
 from pwgpu.kernels.paging import PagedExperts
 from pwgpu.loader import DTYPES, default_dtype_name
@@ -49,6 +49,12 @@ NOTES = (
     "RoPE, the router softmax, top-k and renormalisation, the count of its choices, shared experts, both "
     "residual adds (MLA: the attention parameters as one matrix)",
     "lm_head: final RMSNorm, LM head and greedy sampling for m sequences",
+    "decode_step (CPU only, models whose layers are all MoE layers with GQA attention): a whole decode step "
+    "of batch requests of kv_len tokens each, every layer with weights of its own (experts as 16-bit dense "
+    "copies at meta 'decode_step_precision', top-k routing spread evenly over the experts), timed warm: each "
+    "sample right after an untimed run of the same step, as consecutive decode steps of one batch find "
+    "what the last one left in the caches; pwsim scales its pure decode steps by this over the sum of the "
+    "other rows at the same shape",
     "quantize: one master [n, k] matrix into a standalone packed blob",
     "dequantize (CPU only): one [n, k] matrix read from its pages into the dense copy the CPU engine "
     "keeps per expert; it runs again on an expert's first use after each precision change (GPU kernels "
@@ -155,6 +161,8 @@ GRIDS = {
 # in a step: flushed (in place it took 1.5-2.6x its warm rows in four runs, 1.25x the flushed).
 FLUSH_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}
 WARM_ON_CPU = frozenset({"dequantize", "h2d_copy"})
+# Ops timed right after an untimed run of themselves (and no flush): a steady state of repeats.
+PRIMED = frozenset({"decode_step"})
 _flush_buffers: dict[torch.device, torch.Tensor] = {}
 
 
@@ -248,7 +256,10 @@ class Profiler:
         times = [[] for _ in pending]
         for _ in range(self.grid.samples):
             for (row, fn), mine in zip(pending, times, strict=True):
-                _flush(self.device, 0 if row["op"] in WARM_ON_CPU else None)
+                if row["op"] in PRIMED:
+                    fn()
+                else:
+                    _flush(self.device, 0 if row["op"] in WARM_ON_CPU else None)
                 t0 = time.perf_counter()
                 fn()
                 mine.append((time.perf_counter() - t0) * 1e6)
@@ -413,6 +424,64 @@ class Profiler:
             self._record("dense", lambda x=x, a=angles: dense(x, a), m=m)
             self._record("lm_head", lambda x=x: lm_head(x), m=m)
 
+    def decode_step(self) -> None:
+        """Whole decode steps on a CPU (see ``NOTES``): what a step's ops cost run in sequence,
+        where the table's other rows time each op with cold caches. A small model's weights and
+        a small batch's KV fit in a CPU's last-level cache and are found there by the next step;
+        a larger batch's are not. The op sum at the same shape, over this, is how far the cold
+        rows overstate a decode step of that shape (``pwsim.table_latency``)."""
+        spec = self.model
+        if self.device.type != "cpu" or spec.attention == "mla" or spec.num_dense_layers:
+            return
+        h, f, d = spec.hidden_size, spec.expert_ffn_size, spec.head_dim
+        hq, hkv = spec.num_heads * d, spec.num_kv_heads * d
+        eps, n_layers, n_exp, top_k = spec.rms_norm_eps, spec.num_layers, spec.num_experts, spec.top_k
+        copy = dense_dtype(self.precisions[0], self.dtype)
+        linear = cpu_linear(self.device, self.dtype)
+
+        def w(*shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+            return self._randn(*shape, scale=shape[-1] ** -0.5, dtype=dtype)
+
+        layers = [
+            dict(q=w(hq, h), k=w(hkv, h), v=w(hkv, h), o=w(h, hq), router=w(n_exp, h),
+                 w13=[w(2 * f, h, dtype=copy) for _ in range(n_exp)], w2=[w(h, f, dtype=copy) for _ in range(n_exp)])
+            for _ in range(n_layers)
+        ]  # fmt: skip
+        norm_w = torch.ones(h, device=self.device, dtype=self.dtype)
+        head = w(spec.vocab_size, h)
+        rope, block_tokens = Rope(d, 10000.0, self.device), 16
+        scale = d**-0.5
+        for b in self.grid.attn_decode_batch:
+            # Token i's experts: i*k .. i*k + k - 1 (mod E), every expert as busy as the others.
+            ids = (torch.arange(b)[:, None] * top_k + torch.arange(top_k)[None, :]) % n_exp
+            counts = torch.bincount(ids.reshape(-1), minlength=n_exp).tolist()
+            gate_w = torch.full((b, top_k), 1.0 / top_k, device=self.device)
+            ids = ids.to(self.device)
+            for kv_len in self.grid.attn_decode_kv:
+                per_seq = -(-kv_len // block_tokens)
+                kv = _kv_cache(b * per_seq, n_layers, spec.num_kv_heads, d, block_tokens, self.dtype, self.device)
+                perm = torch.randperm(b * per_seq, generator=torch.Generator().manual_seed(0)).tolist()
+                seqs = [(perm[i * per_seq : (i + 1) * per_seq], kv_len - 1, 1) for i in range(b)]
+                batch, positions = build_batch(seqs, block_tokens, self.device)
+                angles = rope.angles(positions, self.dtype, kv_len - 1)
+                x0 = self._randn(b, h)
+
+                def step(x=x0, batch=batch, kv=kv, angles=angles, ids=ids, gate_w=gate_w, counts=counts):
+                    for layer, lw in enumerate(layers):
+                        y = rms_norm(x, norm_w, eps)
+                        q = Rope.rotate(linear(y, lw["q"]).view(-1, spec.num_heads, d), *angles)
+                        k = Rope.rotate(linear(y, lw["k"]).view(-1, spec.num_kv_heads, d), *angles)
+                        kv.write(layer, batch.slot_blocks, batch.slot_offsets, k, linear(y, lw["v"]).view_as(k))
+                        x = x + linear(paged_attention(q, kv, layer, batch, scale).reshape(x.shape[0], -1), lw["o"])
+                        z = rms_norm(x, norm_w, eps)
+                        torch.topk(torch.softmax(linear(z, lw["router"]).float(), dim=-1), top_k, dim=-1)
+                        x = x + moe_ffn_grouped(z, ids, gate_w, lw["w13"], lw["w2"], counts)
+                    return linear(rms_norm(x, norm_w, eps), head).float().argmax(dim=-1).tolist()
+
+                step()  # every block written once before timing
+                self._record("decode_step", step, precision=self.precisions[0], batch=b, kv_len=kv_len)
+            self.drain()  # this batch's KV caches go
+
     def quantize(self) -> None:
         h, f = self.model.hidden_size, self.model.expert_ffn_size
         if self.device.type == "cuda":
@@ -490,7 +559,7 @@ def profile(
             prof = Profiler(model, grid, dev, precisions, DTYPES[dtype])
             steps = {"moe_ffn": prof.moe_ffn, "attention": prof.attention, "dense": prof.dense_and_head,
                      "quantize": prof.quantize, "dequantize": prof.dequantize,
-                     "h2d_copy": prof.h2d_copy}  # fmt: skip
+                     "h2d_copy": prof.h2d_copy, "decode_step": prof.decode_step}  # fmt: skip
             for op in ops:
                 steps[op]()
                 prof.drain()

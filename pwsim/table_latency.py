@@ -26,6 +26,14 @@ How a step maps onto the table's keys (all ops are per layer, times ``num_layers
 - ``dense(m)`` per MoE layer, ``lm_head(m)`` once for the step's sequences; the leading dense
   FFN layers of DeepSeek-style models, and the per-step overhead, come from the fallback.
 
+A CPU table with ``decode_step`` rows (whole decode steps timed warm, as consecutive steps of
+one batch run) times a pure decode step by the ops above scaled by ``decode_step / ops`` at its
+decode count and mean context, where ``ops`` is the sum of the same rows for the profiler's
+step (every request of that context, routing spread evenly over the experts, the rows'
+precision): the ops' cold rows overstate a small batch of a small model, whose weights and KV
+the next step still finds in the CPU's caches, and not a large one (benchmarks/RESULTS.md,
+2026-12-03). Steps with a prefill chunk, and steps outside the rows' grid, are not scaled.
+
 What a CPU table adds (``pwsim.engine`` charges it): ``dequantize(precision, n, k)`` for each
 matrix of an expert on its first use after a precision change (the CPU engine's fp32 copy of the
 expert is made again), and, with meta ``upgrades: synchronous``, an upgrade's ``quantize`` time
@@ -69,6 +77,7 @@ OP_KEYS: dict[str, tuple[str, str | None]] = {
     "quantize": ("n", "k"),
     "dequantize": ("n", "k"),
     "h2d_copy": ("bytes", None),
+    "decode_step": ("batch", "kv_len"),
 }
 PER_PRECISION_OPS = ("moe_ffn", "quantize", "dequantize")
 # Marks dense-grid cells outside a precision's measured range. Any query with weight on such a
@@ -266,6 +275,33 @@ class TableLatencyModel:
         self._warned: set[str] = set()
         self._num_precisions = len(PRECISION_NAMES)
         self._layer_base = (np.arange(model.num_moe_layers) * self._num_precisions)[:, None]
+        self.decode_scale: Grid | None = None
+        whole = self.grids.pop("decode_step", None)
+        if whole is not None:
+            precs = mine.loc[mine["op"] == "decode_step", "precision"].unique()
+            if len(precs) != 1 or precs[0] not in PRECISION_ID:
+                raise SpecError(f"{self.path}: op decode_step needs rows of one precision (got {', '.join(precs)})")
+            self.decode_scale = self._decode_scale(whole, PRECISION_ID[precs[0]])
+
+    def _decode_scale(self, whole: Grid, precision_id: int) -> Grid:
+        """``decode_step`` over the sum of the other rows for the profiler's step at each of its
+        points (``pwgpu.profile.Profiler.decode_step``: token i routed to experts i*k .. i*k+k-1
+        mod E on every MoE layer, every expert at ``precision_id``)."""
+        md = self.model
+        ids = np.full((md.num_moe_layers, md.num_experts), precision_id, dtype=np.int64)
+        values = []
+        for b, row in zip(whole.xs, whole.values, strict=True):
+            b = int(b)
+            slots = (np.arange(b)[:, None] * md.top_k + np.arange(md.top_k)[None, :]) % md.num_experts
+            counts = np.bincount(slots.ravel(), minlength=md.num_experts).astype(np.float64)
+            tokens = np.repeat(counts[None, :], md.num_moe_layers, axis=0)
+            out = []
+            for kv, measured_s in zip(whole.ys, row, strict=True):
+                kv = int(kv)
+                ops_s = self._kernels_s(StepShape([], [], [kv] * b, 0, kv * b), tokens, ids)
+                out.append(measured_s / ops_s)
+            values.append(out)
+        return Grid(np.asarray(whole.xs), np.asarray(whole.ys), np.asarray(values))
 
     # ---- out-of-grid bookkeeping ---------------------------------------------------------
     def miss(self, key: str, count: int, example: str) -> None:
@@ -337,6 +373,20 @@ class TableLatencyModel:
         return float((vals * share).sum() if share is not None else vals.sum())
 
     def step_time_s(self, shape: StepShape, tokens_per_expert: np.ndarray, precision_ids: np.ndarray) -> float:
+        kernels_s = self._kernels_s(shape, tokens_per_expert, precision_ids)
+        scale = self.decode_scale
+        num_decodes = len(shape.decode_kv_lens)
+        if scale is not None and shape.num_prefill_tokens == 0 and num_decodes:
+            mean_kv = shape.decode_kv_tokens / num_decodes
+            r = scale.lookup(num_decodes, mean_kv)
+            if r is None:
+                self._miss("decode_step", 1, f"batch={num_decodes}, kv_len={mean_kv:g}")
+            else:
+                kernels_s *= r
+        return self.cfg.scale * kernels_s + self.cfg.fallback.step_overhead_s
+
+    def _kernels_s(self, shape: StepShape, tokens_per_expert: np.ndarray, precision_ids: np.ndarray) -> float:
+        """The step's ops from their rows, unscaled, without the per-step overhead."""
         md, fb = self.model, self.fallback
         num_decodes = len(shape.decode_kv_lens)
         num_chunks = len(shape.prefill_tokens)
@@ -364,7 +414,7 @@ class TableLatencyModel:
             + head_s
             + self.moe_s(tokens_per_expert, precision_ids)
         )
-        return self.cfg.scale * kernels_s + self.cfg.fallback.step_overhead_s
+        return kernels_s
 
     def quantize_time_s(self, n: int, k: int, precision_id: int) -> float:
         key = ("quantize", int(precision_id))

@@ -535,3 +535,52 @@ def test_table_monotone_switch(tmp_path):
         times[monotone] = build_latency_model(cfg, MIXTRAL, H200, base_dir=tmp_path).moe_s(tpe, ids)
     assert times[False] == pytest.approx(1e-6)
     assert times[True] > 10 * times[False]
+
+
+def _profiler_step(model, b: int, kv: int) -> tuple[StepShape, np.ndarray, np.ndarray]:
+    """The step ``pwgpu.profile.Profiler.decode_step`` times: b requests of kv tokens, token i
+    routed to experts i*k .. i*k+k-1 (mod E) on every layer, every expert bf16."""
+    slots = (np.arange(b)[:, None] * model.top_k + np.arange(model.top_k)[None, :]) % model.num_experts
+    counts = np.bincount(slots.ravel(), minlength=model.num_experts)
+    return _decode([kv] * b), np.repeat(counts[None, :], model.num_moe_layers, axis=0), _ids(model, BF16)
+
+
+def test_whole_decode_steps_scale_pure_decode_steps_by_their_ratio_to_the_ops(tmp_path):
+    """A table with ``decode_step`` rows times a pure decode step by its ops scaled by the
+    measured step over the ops' sum for the profiler's step at the same (batch, context),
+    bilinear between the rows' points: here half at one request, the ops' own time at 64.
+    Steps with a prefill chunk, and decode steps outside the rows' grid (counted), are not scaled."""
+    plain = _table_model(tmp_path)
+    rows = []
+    for b, factor in ((1, 0.5), (64, 1.0)):
+        for kv in (128, 8192):
+            ops_s = plain._kernels_s(*_profiler_step(MIXTRAL, b, kv))
+            us = factor * ops_s * 1e6
+            rows.append(dict(op="decode_step", precision="bf16", batch=b, kv_len=kv, latency_us_p50=us))
+    extra = pd.DataFrame(rows).assign(model="mixtral-8x7b", latency_us_p20=1.0, latency_us_p80=1.0, samples=7)
+    base = pd.read_csv(tmp_path / "kernels" / "h200.csv")
+    cfg = TableLatencyConfig(kind="table", path="kernels/cpu.csv")
+
+    def with_rows(extra: pd.DataFrame):
+        table = pd.concat([base, extra]).fillna(0)
+        write_kernel_table(table, tmp_path / "kernels" / "cpu.csv", {**META, "models": ["mixtral-8x7b"], "grid": "t"})
+        return build_latency_model(cfg, MIXTRAL, H200, base_dir=tmp_path)
+
+    lm = with_rows(extra)
+    overhead_s = 1e-3
+    for kv_lens, factor in (([128], 0.5), ([8192], 0.5), ([1000, 3000], 0.5 + 0.5 / 63), ([128] * 64, 1.0)):
+        shape, tpe, ids = _decode(kv_lens), _spread(MIXTRAL, len(kv_lens)), _ids(MIXTRAL, BF16)
+        ops_s = plain.step_time_s(shape, tpe, ids) - overhead_s
+        assert lm.step_time_s(shape, tpe, ids) == pytest.approx(factor * ops_s + overhead_s, rel=1e-9)
+    mixed = StepShape(np.array([128]), np.array([1024]), np.array([1000]))
+    tpe = _spread(MIXTRAL, 16)
+    assert lm.step_time_s(mixed, tpe, ids) == plain.step_time_s(mixed, tpe, ids)
+    long = _decode([9000])  # past the grid's context (attention too: timed by the fallback)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert lm.step_time_s(long, _spread(MIXTRAL, 1), ids) == plain.step_time_s(long, _spread(MIXTRAL, 1), ids)
+    assert any("decode_step at batch=1, kv_len=9000 is outside the measured grid" in str(w.message) for w in caught)
+    assert lm.out_of_grid["decode_step"] == 1
+    extra.loc[0, "precision"] = "int4"
+    with pytest.raises(SpecError, match="op decode_step needs rows of one precision"):
+        with_rows(extra)

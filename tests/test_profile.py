@@ -25,6 +25,7 @@ GRID_KEYS = [
     ("quantize", "n", "k"),
     ("dequantize", "n", "k"),
     ("h2d_copy", "bytes", None),
+    ("decode_step", "batch", "kv_len"),
 ]
 
 
@@ -80,6 +81,18 @@ def test_moe_rows_cover_precisions_and_expert_counts(table):
     small = moe[(moe["m"] == moe["m"].min()) & (moe["e"] == 1)]["latency_us_p50"].median()
     large = moe[(moe["m"] == moe["m"].max()) & (moe["e"] == spec.num_experts)]["latency_us_p50"].median()
     assert large > small
+
+
+@pytest.mark.e2e
+def test_decode_step_rows_are_whole_steps_on_the_attention_grid(table):
+    """Whole decode steps at every (batch, kv_len) of the decode attention grid, experts at the
+    ladder's first precision, each longer than that step's decode attention over all layers."""
+    df, _ = table
+    whole = df[df["op"] == "decode_step"].set_index(["batch", "kv_len"])
+    attn = df[df["op"] == "attn_decode"].set_index(["batch", "kv_len"])
+    assert sorted(whole.index) == sorted(attn.index) and set(whole["precision"]) == {PRECISIONS[0]}
+    layers = load_model("tiny-moe").num_layers
+    assert (whole["latency_us_p50"] > layers * attn["latency_us_p50"].reindex(whole.index) * 0.5).all()
 
 
 @pytest.mark.e2e
@@ -181,10 +194,13 @@ def test_cpu_rows_are_timed_flushed_but_the_dequantisation_and_copy(monkeypatch)
     p.device, p.rows, p._moe_aliases = torch.device("cpu"), [], []
     p.grid = types.SimpleNamespace(samples=2, warmup=1)
     ops = ["attn_decode", "attn_prefill", "dense", "lm_head", "moe_ffn", "quantize", "dequantize", "h2d_copy"]
-    p._pending = [({"op": op}, lambda: None) for op in ops]
+    runs = []
+    p._pending = [({"op": op}, lambda op=op: runs.append(op)) for op in [*ops, "decode_step"]]
     p.drain()
     assert flushes == [None, None, None, None, None, None, 0, 0] * 2  # None: the device's FLUSH_BYTES
-    assert [r["op"] for r in p.rows] == ops
+    assert [r["op"] for r in p.rows] == [*ops, "decode_step"]
+    # A whole decode step: no flush, and each timed sample right after an untimed run of it.
+    assert runs.count("decode_step") == 1 + 2 * 2 and runs.count("dense") == 1 + 2
 
 
 @pytest.mark.e2e

@@ -41,6 +41,12 @@ Ops, all *per layer* where the model has layers:
   after each precision change, so a precision change costs this besides its ``quantize``. A table
   without these rows (a GPU's, whose MoE kernel reads the packed pages) charges nothing.
 - ``h2d_copy``: copy ``bytes`` from pinned host memory to the device.
+- ``decode_step`` (CPU tables): a whole decode step, every layer and the LM head, for ``batch``
+  sequences of ``kv_len`` tokens each, experts of ``precision``, timed warm (right after the same
+  step), not per layer. The other rows are timed with cold caches, as a step's ops are where the
+  model and the KV outgrow the caches; on a CPU a small batch of a small model finds them still
+  cached from the step before. ``pwsim`` times a pure decode step by the other rows scaled by
+  this over their sum at the same shape (``pwsim.table_latency``).
 - ``all_to_all`` (``pwgpu profile --ep N``): one ``all_to_all_single`` among ``batch`` = N ranks
   (processes, one GPU each, or gloo on a CPU) in which every rank sends ``bytes`` to the other
   ranks in equal shares (its input also holds its own share) and receives as much; the slowest
@@ -61,10 +67,10 @@ from pagedweight.core.spec import PRECISIONS
 from pagedweight.errors import SpecError, read_yaml_mapping
 
 OPS = ("moe_ffn", "attn_prefill", "attn_decode", "dense", "lm_head", "quantize", "dequantize", "h2d_copy",
-       "all_to_all")  # fmt: skip
+       "all_to_all", "decode_step")  # fmt: skip
 # The op groups ``pwgpu profile --ops`` measures (``attention`` writes both attention ops, ``dense``
 # also ``lm_head``), in the order it measures them.
-OP_GROUPS = ("moe_ffn", "attention", "dense", "quantize", "dequantize", "h2d_copy")
+OP_GROUPS = ("moe_ffn", "attention", "dense", "quantize", "dequantize", "h2d_copy", "decode_step")
 KEY_COLUMNS = ("model", "op", "precision", "m", "e", "batch", "kv_len", "n", "k", "bytes")
 VALUE_COLUMNS = ("latency_us_p50", "latency_us_p20", "latency_us_p80", "samples")
 COLUMNS = KEY_COLUMNS + VALUE_COLUMNS
