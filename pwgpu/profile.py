@@ -49,12 +49,12 @@ NOTES = (
     "RoPE, the router softmax, top-k and renormalisation, the count of its choices, shared experts, both "
     "residual adds (MLA: the attention parameters as one matrix)",
     "lm_head: final RMSNorm, LM head and greedy sampling for m sequences",
-    "decode_step (CPU only, models whose layers are all MoE layers with GQA attention): a whole decode step "
-    "of batch requests of kv_len tokens each, every layer with weights of its own (experts as 16-bit dense "
-    "copies at meta 'decode_step_precision', top-k routing spread evenly over the experts), timed warm: each "
-    "sample right after an untimed run of the same step, as consecutive decode steps of one batch find "
-    "what the last one left in the caches; pwsim scales its pure decode steps by this over the sum of the "
-    "other rows at the same shape",
+    "decode_step (CPU only, models whose layers are all MoE layers with GQA attention): a whole decode "
+    "step of batch requests of kv_len tokens each, every layer with weights of its own (experts as the "
+    "dense copies of the rows' precision, the first profiled; top-k routing spread evenly over the "
+    "experts), timed warm: each sample right after an untimed run of the same step, as consecutive decode"
+    " steps of one batch find what the last one left in the caches; pwsim scales its pure decode steps by"
+    " this over the sum of the other rows at the same shape",
     "quantize: one master [n, k] matrix into a standalone packed blob",
     "dequantize (CPU only): one [n, k] matrix read from its pages into the dense copy the CPU engine "
     "keeps per expert; it runs again on an expert's first use after each precision change (GPU kernels "
