@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F_
 
-from pagedweight.config.kernel_table import KEY_COLUMNS, OP_GROUPS
+from pagedweight.config.kernel_table import KEY_COLUMNS, OP_GROUPS, decode_step_routing
 from pagedweight.core.spec import PRECISION_NAMES, ModelSpec
 from pagedweight.errors import ConfigError
 from pwgpu.attention import PagedKvCache, build_batch, paged_attention
@@ -28,7 +28,7 @@ from pwgpu.host_allocator import keep_host_temporaries
 from pwgpu.kernels.paging import PagedExperts
 from pwgpu.loader import DTYPES, default_dtype_name
 from pwgpu.mla import latent_attention
-from pwgpu.model import Rope, rms_norm
+from pwgpu.model import LayerWeights, MoeArch, MoeTransformer, PinnedWeights, Rope, rms_norm
 
 MiB = 1 << 20
 NOTES = (
@@ -49,12 +49,13 @@ NOTES = (
     "RoPE, the router softmax, top-k and renormalisation, the count of its choices, shared experts, both "
     "residual adds (MLA: the attention parameters as one matrix)",
     "lm_head: final RMSNorm, LM head and greedy sampling for m sequences",
-    "decode_step (CPU only, models whose layers are all MoE layers with GQA attention): a whole decode "
-    "step of batch requests of kv_len tokens each, every layer with weights of its own (experts as the "
-    "dense copies of the rows' precision, the first profiled; top-k routing spread evenly over the "
-    "experts), timed warm: each sample right after an untimed run of the same step, as consecutive decode"
-    " steps of one batch find what the last one left in the caches; pwsim scales its pure decode steps by"
-    " this over the sum of the other rows at the same shape",
+    "decode_step (CPU only; Mixtral-shaped models: GQA, no dense or shared-expert FFNs, no q/k norms): a "
+    "whole decode step of batch requests of kv_len tokens each, the engine's own forward pass and LM head"
+    " over random weights (experts as the dense copies of the rows' precision, the first profiled; every "
+    "token routed to experts i*k .. i*k+k-1 mod E, spread evenly), timed warm: each sample right after an"
+    " untimed run of the same step, as consecutive decode steps of one batch find what the last one left "
+    "in the caches; pwsim scales its pure decode steps by this over the sum of the other rows at the same"
+    " shape",
     "quantize: one master [n, k] matrix into a standalone packed blob",
     "dequantize (CPU only): one [n, k] matrix read from its pages into the dense copy the CPU engine "
     "keeps per expert; it runs again on an expert's first use after each precision change (GPU kernels "
@@ -425,58 +426,59 @@ class Profiler:
             self._record("lm_head", lambda x=x: lm_head(x), m=m)
 
     def decode_step(self) -> None:
-        """Whole decode steps on a CPU (see ``NOTES``): what a step's ops cost run in sequence,
+        """Whole decode steps on a CPU (see ``NOTES``): the engine's own forward pass
+        (``MoeTransformer``) and LM head over random weights of the model's shape, timed warm,
         where the table's other rows time each op with cold caches. A small model's weights and
         a small batch's KV fit in a CPU's last-level cache and are found there by the next step;
-        a larger batch's are not. The op sum at the same shape, over this, is how far the cold
-        rows overstate a decode step of that shape (``pwsim.table_latency``)."""
+        a larger batch's are not. This over the op rows' sum at the same shape is how far the
+        cold rows overstate a decode step of that shape (``pwsim.table_latency``)."""
         spec = self.model
-        if self.device.type != "cpu" or spec.attention == "mla" or spec.num_dense_layers:
+        plain = spec.attention == "gqa" and not (spec.num_dense_layers or spec.num_shared_experts or spec.qk_norm)
+        if self.device.type != "cpu" or not plain:  # the engine's forward of Mixtral-shaped layers only
             return
-        h, f, d = spec.hidden_size, spec.expert_ffn_size, spec.head_dim
-        hq, hkv = spec.num_heads * d, spec.num_kv_heads * d
-        eps, n_layers, n_exp, top_k = spec.rms_norm_eps, spec.num_layers, spec.num_experts, spec.top_k
+        h, f, d, n_exp = spec.hidden_size, spec.expert_ffn_size, spec.head_dim, spec.num_experts
         copy = dense_dtype(self.precisions[0], self.dtype)
-        linear = cpu_linear(self.device, self.dtype)
 
         def w(*shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
             return self._randn(*shape, scale=shape[-1] ** -0.5, dtype=dtype)
 
+        def ones() -> torch.Tensor:
+            return torch.ones(h, device=self.device, dtype=self.dtype)
+
+        arch = MoeArch(
+            family="mixtral", vocab_size=spec.vocab_size, hidden_size=h, num_layers=spec.num_layers,
+            num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=d, num_experts=n_exp,
+            top_k=spec.top_k, expert_ffn_size=f, router_renorm=True, rope_theta=spec.rope_theta,
+            rms_norm_eps=spec.rms_norm_eps, max_position_embeddings=spec.max_context_tokens,
+        )  # fmt: skip
+        hq, hkv = spec.num_heads * d, spec.num_kv_heads * d
         layers = [
-            dict(q=w(hq, h), k=w(hkv, h), v=w(hkv, h), o=w(h, hq), router=w(n_exp, h),
-                 w13=[w(2 * f, h, dtype=copy) for _ in range(n_exp)], w2=[w(h, f, dtype=copy) for _ in range(n_exp)])
-            for _ in range(n_layers)
+            LayerWeights(input_norm=ones(), post_norm=ones(), o=w(h, hq), q=w(hq, h), k=w(hkv, h), v=w(hkv, h),
+                         router=w(n_exp, h))
+            for _ in range(spec.num_layers)
         ]  # fmt: skip
-        norm_w = torch.ones(h, device=self.device, dtype=self.dtype)
-        head = w(spec.vocab_size, h)
-        rope, block_tokens = Rope(d, 10000.0, self.device), 16
-        scale = d**-0.5
+        pinned = PinnedWeights(embed=w(spec.vocab_size, h), final_norm=ones(), lm_head=w(spec.vocab_size, h),
+                               layers=layers)  # fmt: skip
+        experts = EvenlyRoutedExperts(
+            [[w(2 * f, h, dtype=copy) for _ in range(n_exp)] for _ in layers],
+            [[w(h, f, dtype=copy) for _ in range(n_exp)] for _ in layers],
+            spec.top_k,
+        )
+        model, block_tokens = MoeTransformer(arch, pinned, experts, self.device), 16
         for b in self.grid.attn_decode_batch:
-            # Token i's experts: i*k .. i*k + k - 1 (mod E), every expert as busy as the others.
-            ids = (torch.arange(b)[:, None] * top_k + torch.arange(top_k)[None, :]) % n_exp
-            counts = torch.bincount(ids.reshape(-1), minlength=n_exp).tolist()
-            gate_w = torch.full((b, top_k), 1.0 / top_k, device=self.device)
-            ids = ids.to(self.device)
+            input_ids = torch.randint(0, spec.vocab_size, (b,), generator=self.gen, device=self.device)
             for kv_len in self.grid.attn_decode_kv:
                 per_seq = -(-kv_len // block_tokens)
-                kv = _kv_cache(b * per_seq, n_layers, spec.num_kv_heads, d, block_tokens, self.dtype, self.device)
+                kv = _kv_cache(
+                    b * per_seq, spec.num_layers, spec.num_kv_heads, d, block_tokens, self.dtype, self.device
+                )
                 perm = torch.randperm(b * per_seq, generator=torch.Generator().manual_seed(0)).tolist()
                 seqs = [(perm[i * per_seq : (i + 1) * per_seq], kv_len - 1, 1) for i in range(b)]
                 batch, positions = build_batch(seqs, block_tokens, self.device)
-                angles = rope.angles(positions, self.dtype, kv_len - 1)
-                x0 = self._randn(b, h)
 
-                def step(x=x0, batch=batch, kv=kv, angles=angles, ids=ids, gate_w=gate_w, counts=counts):
-                    for layer, lw in enumerate(layers):
-                        y = rms_norm(x, norm_w, eps)
-                        q = Rope.rotate(linear(y, lw["q"]).view(-1, spec.num_heads, d), *angles)
-                        k = Rope.rotate(linear(y, lw["k"]).view(-1, spec.num_kv_heads, d), *angles)
-                        kv.write(layer, batch.slot_blocks, batch.slot_offsets, k, linear(y, lw["v"]).view_as(k))
-                        x = x + linear(paged_attention(q, kv, layer, batch, scale).reshape(x.shape[0], -1), lw["o"])
-                        z = rms_norm(x, norm_w, eps)
-                        torch.topk(torch.softmax(linear(z, lw["router"]).float(), dim=-1), top_k, dim=-1)
-                        x = x + moe_ffn_grouped(z, ids, gate_w, lw["w13"], lw["w2"], counts)
-                    return linear(rms_norm(x, norm_w, eps), head).float().argmax(dim=-1).tolist()
+                def step(ids=input_ids, positions=positions, batch=batch, kv=kv):
+                    hidden = model.forward(ids, positions, batch, kv)
+                    return model.logits(hidden).argmax(dim=-1).tolist()  # greedy, as the validation runs
 
                 step()  # every block written once before timing
                 self._record("decode_step", step, precision=self.precisions[0], batch=b, kv_len=kv_len)
@@ -527,6 +529,26 @@ def _kv_cache(num_blocks: int, num_layers: int, kv_heads: int, head_dim: int, bl
     block_bytes = num_layers * num_parts * block_tokens * kv_heads * head_dim * elem
     arena = torch.zeros(num_blocks * block_bytes, dtype=torch.uint8, device=device)
     return PagedKvCache(arena, block_bytes, block_tokens, 1, num_layers, kv_heads, head_dim, dtype, num_parts)
+
+
+class EvenlyRoutedExperts:
+    """The CPU engine's expert path (``moe_ffn_grouped`` on dense copies, as
+    ``WeightStore.moe_ffn`` runs it) with the tokens sent to ``decode_step_routing``'s experts
+    whatever the router chose, so that the profiler's decode step has a routing ``pwsim`` can time again
+    from the op rows (``TableLatencyModel._decode_scale``). ``w13[layer][e]`` is w1 over w3."""
+
+    def __init__(self, w13: list[list[torch.Tensor]], w2: list[list[torch.Tensor]], top_k: int):
+        self.w13, self.w2, self.top_k = w13, w2, top_k
+        self._routes: dict[int, tuple[torch.Tensor, list[int]]] = {}
+
+    def moe_ffn(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        num_exp, t = len(self.w13[moe_layer]), x.shape[0]
+        if t not in self._routes:
+            ids = decode_step_routing(t, self.top_k, num_exp)
+            counts = np.bincount(ids.ravel(), minlength=num_exp).tolist()
+            self._routes[t] = (torch.from_numpy(ids).to(x.device), counts)
+        ids, counts = self._routes[t]
+        return moe_ffn_grouped(x, ids, topk_w, self.w13[moe_layer], self.w2[moe_layer], counts)
 
 
 def profile(

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 
-from pagedweight.config.kernel_table import write_kernel_table
+from pagedweight.config.kernel_table import decode_step_routing, write_kernel_table
 from pagedweight.config.latency import (
     AnalyticLatencyConfig,
     ConstantLatencyConfig,
@@ -540,7 +540,7 @@ def test_table_monotone_switch(tmp_path):
 def _profiler_step(model, b: int, kv: int) -> tuple[StepShape, np.ndarray, np.ndarray]:
     """The step ``pwgpu.profile.Profiler.decode_step`` times: b requests of kv tokens, token i
     routed to experts i*k .. i*k+k-1 (mod E) on every layer, every expert bf16."""
-    slots = (np.arange(b)[:, None] * model.top_k + np.arange(model.top_k)[None, :]) % model.num_experts
+    slots = decode_step_routing(b, model.top_k, model.num_experts)
     counts = np.bincount(slots.ravel(), minlength=model.num_experts)
     return _decode([kv] * b), np.repeat(counts[None, :], model.num_moe_layers, axis=0), _ids(model, BF16)
 
@@ -550,6 +550,7 @@ def test_whole_decode_steps_scale_pure_decode_steps_by_their_ratio_to_the_ops(tm
     measured step over the ops' sum for the profiler's step at the same (batch, context),
     bilinear between the rows' points: here half at one request, the ops' own time at 64.
     Steps with a prefill chunk, and decode steps outside the rows' grid (counted), are not scaled."""
+    assert decode_step_routing(5, 2, 8).tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1]]
     plain = _table_model(tmp_path)
     rows = []
     for b, factor in ((1, 0.5), (64, 1.0)):

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import yaml
 
@@ -75,6 +76,13 @@ KEY_COLUMNS = ("model", "op", "precision", "m", "e", "batch", "kv_len", "n", "k"
 VALUE_COLUMNS = ("latency_us_p50", "latency_us_p20", "latency_us_p80", "samples")
 COLUMNS = KEY_COLUMNS + VALUE_COLUMNS
 META_REQUIRED = ("device", "date", "torch", "triton", "cuda", "models", "grid")
+
+
+def decode_step_routing(num_tokens: int, top_k: int, num_experts: int) -> np.ndarray:
+    """The experts of each token [T, k] in the step a ``decode_step`` row times: token i routed to
+    experts i*k .. i*k+k-1 (mod E), every expert as busy as the others, so that ``pwsim`` can
+    time the same step again from the op rows."""
+    return (np.arange(num_tokens)[:, None] * top_k + np.arange(top_k)[None, :]) % num_experts
 
 
 def meta_path(csv_path: str | Path) -> Path:
