@@ -355,14 +355,152 @@ def seed_tables(model, texts: dict[str, np.ndarray], args, cache, log) -> list:
     return tables
 
 
+def noise_floor(args, ref, full, rs, cache, data_key: str, log) -> dict[str, dict]:
+    """fp32 arithmetic's own KL per domain: the float64 model against the float32 reference
+    (cached), with its bootstrap interval."""
+    import torch
+
+    from pwgpu.evaluate import MoeForward, block_sums, kl_per_position
+
+    key = cache.key("noise-floor", data_key)
+    hit = cache.load(key)
+    if hit is None:
+        t0 = time.monotonic()
+        exact = MoeForward(args.model, dtype=torch.float64)
+        stats = {}
+        for d, rows in ref.rows.items():
+            kl = []
+            for row, ref_logits in zip(rows, ref.ref[d], strict=True):
+                with torch.no_grad():
+                    kl.append(
+                        block_sums(kl_per_position(exact.logits(row)[0, :-1], ref_logits[0, :-1]), args.block_tokens)
+                    )
+            stats[d] = np.concatenate(kl)
+        del exact
+        cache.save(key, time.monotonic() - t0, **stats)
+        hit = stats
+        log("noise floor measured (float64 forward)")
+    floor = {}
+    for d, s in full.items():
+        point, lo, hi = _ratio(rs, d, hit[d], s.tokens)
+        floor[d] = {"kl": point, "kl_lo": lo, "kl_hi": hi}
+    return floor
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One comparison: a ladder at a target fraction, every method at the uniform mix's bytes."""
+
+    ladder: str
+    target_fraction: float
+    baseline_bytes: int  # U: the uniform mix's bytes actually used, every method's budget
+    expert_bytes_bf16: int
+
+
+def _methods_at(cell: Cell, methods, evaluate, baseline_plan, ladder_tables, paper_tables, log) -> tuple:
+    """Each method's evaluations (one per seed's table), bytes used and expert counts at the
+    cell's budget; a method infeasible for any seed is left out (and logged)."""
+    from pagedweight.errors import AllocationError
+    from pagedweight.policy.allocate import allocate
+
+    per_method: dict[str, list[dict]] = {BASELINE: [evaluate(baseline_plan)]}
+    bytes_used: dict[str, list[int]] = {BASELINE: [cell.baseline_bytes]}
+    counts: dict[str, list[str]] = {}
+    for method in methods:
+        if method == BASELINE:
+            continue
+        src = paper_tables if method == "paper-greedy" else ladder_tables
+        stats, used_m, cnt = [], [], []
+        for t in src:
+            try:
+                plan = allocate(t, cell.baseline_bytes, method)
+            except AllocationError as e:
+                log(f"{cell.ladder} {cell.target_fraction:.2f} {method}: infeasible ({e})")
+                stats = []
+                break
+            stats.append(evaluate(plan_names(t, plan)))
+            used_m.append(plan.total_bytes)
+            cnt.append(" ".join(f"{p}:{c}" for p, c in plan.counts().items() if c))
+        if stats:
+            per_method[method], bytes_used[method], counts[method] = stats, used_m, cnt
+    return per_method, bytes_used, counts
+
+
+def _cell_rows(cell: Cell, per_method, bytes_used, counts, rs, full, floor_of, has_floor: bool) -> tuple:
+    """The cell's rows of ``equal_memory.csv`` (method x domain) and of ``equal_memory_ratios.csv``
+    (each method against the uniform mix)."""
+    rows, ratio_rows = [], []
+    for method, stats in per_method.items():
+        mean = seed_mean(stats)
+        for d in full:
+            q = quality_row(rs, d, mean[d])
+            seeds_kl = [float(s[d].kl.sum() / s[d].tokens.sum()) for s in stats]
+            rows.append(
+                {
+                    "ladder": cell.ladder,
+                    "method_ladder": "paper" if method == "paper-greedy" else cell.ladder,
+                    "target_fraction": cell.target_fraction,
+                    "method": method,
+                    "seeds": len(stats),
+                    "bytes_used_max": max(bytes_used[method]),
+                    "fraction_used_max": max(bytes_used[method]) / cell.expert_bytes_bf16,
+                    "baseline_bytes": cell.baseline_bytes,
+                    "domain": d,
+                    **q,
+                    "kl_seed_min": min(seeds_kl),
+                    "kl_seed_max": max(seeds_kl),
+                    "below_noise_floor": bool(q["kl"] <= floor_of[d]) if has_floor else False,
+                    "counts": " | ".join(counts[method]),
+                }
+            )
+            if method != BASELINE:
+                ratio_rows.append(
+                    {
+                        "ladder": cell.ladder,
+                        "target_fraction": cell.target_fraction,
+                        "baseline_bytes": cell.baseline_bytes,
+                        "method": method,
+                        "domain": d,
+                        "kl_method": float(mean[d].kl.sum() / mean[d].tokens.sum()),
+                        "kl_uniform_mix": float(per_method[BASELINE][0][d].kl.sum() / mean[d].tokens.sum()),
+                        **compare(rs, d, stats, per_method[BASELINE], floor_of[d]),
+                    }
+                )
+    return rows, ratio_rows
+
+
+def _settings(args, evals, full, calib, selection, fractions, ladders) -> dict:
+    """What the run was asked and what it read, for ``equal_memory.json``."""
+    from pwgpu.importance import fold_tokens
+    from pwgpu.qcache import DiskCache
+
+    return {
+        "model": args.model,
+        "model_sha256": DiskCache.model_key(args.model),
+        "eval_tokens": {d: int(len(v)) for d, v in evals.items()},
+        "scored_tokens": {d: int(s.tokens.sum()) for d, s in full.items()},
+        "seeds": args.seeds,
+        "folds": args.seeds + 1,
+        "calib_tokens_per_seed": {
+            d: int(len(fold_tokens(ids, args.calib_window, args.seeds + 1, [0]))) for d, ids in calib.items()
+        },
+        "selection_tokens": {d: int(len(v)) for d, v in selection.items()},
+        "window": args.window,
+        "block_tokens": args.block_tokens,
+        "bootstrap": args.bootstrap,
+        "fractions": fractions,
+        "ladders": {n: list(LADDERS[n]) for n in ladders},
+        "ppl_tolerance": args.ppl_tolerance,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from pagedweight.errors import AllocationError, ConfigError
-    from pagedweight.policy.allocate import allocate
+    from pagedweight.errors import ConfigError
     from pagedweight.policy.importance import on_ladder, write_table
     from pwgpu.bootstrap import Resampler
-    from pwgpu.evaluate import MoeForward, ReferenceCache, block_sums, kl_per_position, load_tokens
+    from pwgpu.evaluate import MoeForward, ReferenceCache, load_tokens
     from pwgpu.importance import fold_tokens
     from pwgpu.qcache import DiskCache
 
@@ -403,32 +541,7 @@ def run(args: argparse.Namespace) -> int:
     rs = Resampler({d: len(s.tokens) for d, s in full.items()}, args.bootstrap)
     log(f"reference ready: {', '.join(f'{d} {s.tokens.sum():.0f} tokens' for d, s in full.items())}")
 
-    # fp32 arithmetic's own KL: the float64 model against the float32 reference.
-    floor = {}
-    if not args.no_noise_floor:
-        key = cache.key("noise-floor", data_key)
-        hit = cache.load(key)
-        if hit is None:
-            t0 = time.monotonic()
-            exact = MoeForward(args.model, dtype=torch.float64)
-            stats = {}
-            for d, rows in ref.rows.items():
-                kl = []
-                for row, ref_logits in zip(rows, ref.ref[d], strict=True):
-                    with torch.no_grad():
-                        kl.append(
-                            block_sums(
-                                kl_per_position(exact.logits(row)[0, :-1], ref_logits[0, :-1]), args.block_tokens
-                            )
-                        )
-                stats[d] = np.concatenate(kl)
-            del exact
-            cache.save(key, time.monotonic() - t0, **stats)
-            hit = stats
-            log("noise floor measured (float64 forward)")
-        for d, s in full.items():
-            point, lo, hi = _ratio(rs, d, hit[d], s.tokens)
-            floor[d] = {"kl": point, "kl_lo": lo, "kl_hi": hi}
+    floor = {} if args.no_noise_floor else noise_floor(args, ref, full, rs, cache, data_key, log)
     floor_of = {d: (floor[d]["kl_hi"] if floor else 0.0) for d in full}
 
     expert_bytes_bf16 = int(tables[0].bytes[:, 0].sum())
@@ -458,63 +571,14 @@ def run(args: argparse.Namespace) -> int:
                 "bytes": int(used),
                 "fraction": used / expert_bytes_bf16,
             }
-            per_method: dict[str, list[dict]] = {BASELINE: [evaluate(mix_plan(model, ladder, choice))]}
-            bytes_used = {BASELINE: [int(used)]}
-            counts = {BASELINE: [" ".join(f"{ladder[f]}:{model.num_experts}" for f in choice)]}
-            for method in methods:
-                if method == BASELINE:
-                    continue
-                src = paper_tables if method == "paper-greedy" else ladder_tables
-                stats, used_m, cnt = [], [], []
-                for t in src:
-                    try:
-                        plan = allocate(t, int(used), method)
-                    except AllocationError as e:
-                        log(f"{ladder_name} {frac:.2f} {method}: infeasible ({e})")
-                        stats = []
-                        break
-                    stats.append(evaluate(plan_names(t, plan)))
-                    used_m.append(plan.total_bytes)
-                    cnt.append(" ".join(f"{p}:{c}" for p, c in plan.counts().items() if c))
-                if stats:
-                    per_method[method], bytes_used[method], counts[method] = stats, used_m, cnt
-            for method, stats in per_method.items():
-                on = "paper" if method == "paper-greedy" else ladder_name
-                mean = seed_mean(stats)
-                for d in full:
-                    q = quality_row(rs, d, mean[d])
-                    seeds_kl = [float(s[d].kl.sum() / s[d].tokens.sum()) for s in stats]
-                    rows.append(
-                        {
-                            "ladder": ladder_name,
-                            "method_ladder": on,
-                            "target_fraction": frac,
-                            "method": method,
-                            "seeds": len(stats),
-                            "bytes_used_max": max(bytes_used[method]),
-                            "fraction_used_max": max(bytes_used[method]) / expert_bytes_bf16,
-                            "baseline_bytes": int(used),
-                            "domain": d,
-                            **q,
-                            "kl_seed_min": min(seeds_kl),
-                            "kl_seed_max": max(seeds_kl),
-                            "below_noise_floor": bool(q["kl"] <= floor_of[d]) if floor else False,
-                            "counts": " | ".join(counts[method]),
-                        }
-                    )
-                    if method != BASELINE:
-                        ratio_rows.append(
-                            {
-                                "ladder": ladder_name,
-                                "target_fraction": frac,
-                                "baseline_bytes": int(used),
-                                "method": method,
-                                "domain": d,
-                                "kl_method": float(mean[d].kl.sum() / mean[d].tokens.sum()),
-                                "kl_uniform_mix": float(per_method[BASELINE][0][d].kl.sum() / mean[d].tokens.sum()),
-                                **compare(rs, d, stats, per_method[BASELINE], floor_of[d]),
-                            }
-                        )
+            cell = Cell(ladder_name, frac, int(used), expert_bytes_bf16)
+            per_method, bytes_used, counts = _methods_at(
+                cell, methods, evaluate, mix_plan(model, ladder, choice), ladder_tables, paper_tables, log
+            )
+            counts[BASELINE] = [" ".join(f"{ladder[f]}:{model.num_experts}" for f in choice)]
+            new_rows, new_ratios = _cell_rows(cell, per_method, bytes_used, counts, rs, full, floor_of, bool(floor))
+            rows += new_rows
+            ratio_rows += new_ratios
             log(
                 f"{ladder_name} {frac:.2f}: uniform mix {'/'.join(ladder[f] for f in choice)} "
                 f"at {used / expert_bytes_bf16:.3f}"
@@ -535,26 +599,8 @@ def run(args: argparse.Namespace) -> int:
         log,
     )
     run_time = time.monotonic() - start
-    settings = {
-        "model": args.model,
-        "model_sha256": cache.model_key(args.model),
-        "eval_tokens": {d: int(len(v)) for d, v in evals.items()},
-        "scored_tokens": {d: int(s.tokens.sum()) for d, s in full.items()},
-        "seeds": args.seeds,
-        "folds": args.seeds + 1,
-        "calib_tokens_per_seed": {
-            d: int(len(fold_tokens(ids, args.calib_window, args.seeds + 1, [0]))) for d, ids in calib.items()
-        },
-        "selection_tokens": {d: int(len(v)) for d, v in selection.items()},
-        "window": args.window,
-        "block_tokens": args.block_tokens,
-        "bootstrap": args.bootstrap,
-        "fractions": fractions,
-        "ladders": {n: list(LADDERS[n]) for n in ladders},
-        "ppl_tolerance": args.ppl_tolerance,
-    }
     summary = {
-        "settings": settings,
+        "settings": _settings(args, evals, full, calib, selection, fractions, ladders),
         "expert_bytes_bf16": expert_bytes_bf16,
         "pinned_bytes_bf16": pinned_bytes,
         "noise_floor": floor,
