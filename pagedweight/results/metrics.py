@@ -33,6 +33,7 @@ from pagedweight.core.pool import (
 )
 from pagedweight.core.scheduler import FINISHED, REJECTED, Request
 from pagedweight.core.spec import PRECISION_NAMES
+from pagedweight.results.backlog import queue_growth
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -255,6 +256,7 @@ def summarize_columns(
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
         "num_preemptions": int(cols.num_preemptions.sum()),
     }
+    out.update(queue_growth(cols.arrival_s, cols.first_token_s, cols.rejected, end_s))
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl_ms), ("e2el", e2el)):
         _stats(name, values, out)
     if steps is not None and len(steps["kv_usage"]):

@@ -171,6 +171,19 @@ def headline(run: RunResults) -> str:
     return '<p class="headline">' + "<br>".join(lines) + "</p>" if lines else ""
 
 
+def notes(run: RunResults) -> str:
+    """What the run's summary notes (the trace's, the run's) and each policy whose queue kept
+    growing (``backlog.overload_note``): the lines ``pwsim run`` prints beside its table."""
+    from pagedweight.results.backlog import overload_note
+
+    s = run.summary
+    lines = [f"trace: {n}" for n in s.get("trace", {}).get("notes", [])] + list(s.get("notes", []))
+    lines += [n for p in run.policies if (n := overload_note(p, run.metrics(p))) is not None]
+    if not lines:
+        return ""
+    return '<p class="facts">' + "<br>".join(f"Note: {html.escape(n)}" for n in lines) + "</p>"
+
+
 def all_metrics_table(run: RunResults) -> str:
     policies = run.policies
     keys = [k for k in dict.fromkeys(k for p in policies for k in run.metrics(p)) if k != "weight_bytes"]
@@ -253,6 +266,7 @@ def run_section(run: RunResults, prefix: str, out_dir: Path, anchor: str) -> str
         f'<h2 id="{anchor}">{html.escape(s.get("scenario", run.name))} <small>({html.escape(run.name)})</small></h2>',
         f'<p class="facts">{facts}</p>',
         headline(run),
+        notes(run),
         errors,
     ]
     if not run.policies:
