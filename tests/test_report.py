@@ -43,6 +43,7 @@ CAPTIONS = (
     "Memory over time per policy",
     "Precision of every routed expert over time",
     "Latency CDFs, throughput, goodput and preemptions",
+    "TTFT by arrival time: flat keeps up, rising is a growing queue",
     "Quality proxy over time, and quality against throughput",
     "Precision transitions: bytes per second moved",
     "Prefix caching: prefill saved by hits, evictions, cached memory",  # its requests are preempted
@@ -77,7 +78,7 @@ def test_run_writes_report_with_every_section(run_dir):
         img = _decode_png(base64.b64decode(src.removeprefix("data:image/png;base64,"), validate=True))
         assert img.shape[0] > 200 and img.shape[1] > 400
         assert img.reshape(-1, img.shape[-1]).std(axis=0).max() > 0.05  # not one flat colour
-    for name in ("memory", "precision_map", "latency", "quality", "transitions", "prefix"):
+    for name in ("memory", "precision_map", "latency", "queue", "quality", "transitions", "prefix"):
         _decode_png((run_dir / f"{run_dir.name}_{name}.png").read_bytes())
     # nothing to fetch: every src is a data: URI, every link an anchor in the page, no CSS url()
     assert all(src.startswith("data:") for src in re.findall(r'\ssrc="([^"]*)"', page))

@@ -280,13 +280,14 @@ def run_section(run: RunResults, prefix: str, out_dir: Path, anchor: str) -> str
         ("memory", plots.memory_figure, "Memory over time per policy: where the budget goes, step by step."),
         ("precision_map", plots.precision_map_figure, "Precision of every routed expert over time."),
         ("latency", plots.latency_figure, "Latency CDFs, throughput, goodput and preemptions."),
+        ("queue", plots.queue_figure, "TTFT by arrival time: flat keeps up, rising is a growing queue."),
         ("quality", plots.quality_figure, "Quality proxy over time, and quality against throughput."),
         ("transitions", plots.transitions_figure, "Precision transitions: bytes per second moved."),
         ("prefix", plots.prefix_figure, "Prefix caching: prefill saved by hits, evictions, cached memory."),
     )
     if run.steps.empty:
         parts.append("<p>No steps.csv: memory, quality and transition figures are not drawn.</p>")
-        figures = figures[2:3]
+        figures = figures[2:4]  # latency and queue: requests alone
     for name, draw, caption in figures:
         png = draw(run, out_dir / f"{prefix}_{name}.png")
         if png is not None:

@@ -264,6 +264,38 @@ def latency_figure(run: RunResults, out_png: Path) -> Path:
     return save_png(fig, out_png)
 
 
+def queue_figure(run: RunResults, out_png: Path, num_bins: int = 60) -> Path | None:
+    """Median TTFT per policy by arrival time (``num_bins`` equal spans of the arrivals): a
+    policy that keeps up draws a flat line, however high; one whose queue keeps growing, a line
+    that keeps rising (``results.backlog``). None without requests."""
+    req = run.requests
+    if req.empty or "arrival_s" not in req or "ttft_ms" not in req:
+        return None
+    lo, hi = float(req["arrival_s"].min()), float(req["arrival_s"].max())
+    edges = np.linspace(lo, hi, num_bins + 1) if hi > lo else np.array([lo, lo + 1.0])
+    centres = (edges[:-1] + edges[1:]) / 2 - lo
+    fig = Figure(figsize=(FIG_WIDTH_IN, 4.0), layout="constrained")
+    ax = fig.subplots()
+    values = []
+    for p in run.policies:
+        rows = req[(req["policy"] == p) & req["ttft_ms"].notna()]
+        if rows.empty:
+            continue
+        which = np.clip(np.searchsorted(edges, rows["arrival_s"].to_numpy(), side="right") - 1, 0, len(centres) - 1)
+        medians = rows["ttft_ms"].groupby(which).median()
+        ax.plot(centres[medians.index], medians.to_numpy() / 1e3, color=policy_colour(p), lw=1.6, label=p, marker=".")
+        values += medians.tolist()
+    pos = [v for v in values if v > 0]
+    if pos and max(pos) / min(pos) > 100:
+        ax.set_yscale("log")
+    ax.set_xlabel("arrival time (s from the first arrival)")
+    ax.set_ylabel("median TTFT (s)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle("TTFT by arrival time: flat keeps up, rising is a queue that keeps growing", fontsize=12)
+    return save_png(fig, out_png)
+
+
 def quality_scale(ax: Axes, values: list[float], axis: str = "y") -> None:
     """Symmetric-log when the proxies span orders of magnitude (full precision is exactly 0)."""
     pos = [v for v in values if v > 0]
