@@ -66,7 +66,6 @@ def overload_note(policy: str, summary: dict) -> str | None:
         f"{policy}: the queue kept growing: the last quarter of the requests to arrive waited "
         f"{late_ms / 1e3:,.1f} s (median) for a first token, {growth:.2f} s more per second of arrivals than the "
         f"quarter before. The offered load exceeds what this policy served (~{1 + growth:.2f}x), so its TTFT "
-        "grows with the trace's length; lower "
-        "workload.rate_scale, or find each policy's largest sustainable load with `pwsim bench` (a suite with "
-        "this scenario as a cell)."
+        "grows with the trace's length; lower workload.rate_scale, or find each policy's largest sustainable "
+        "load with `pwsim bench` (a suite with this scenario as a cell)."
     )
