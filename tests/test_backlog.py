@@ -1,4 +1,4 @@
-"""The overload check: TTFT's trend late in a run, and the note `pwsim run` prints for it."""
+"""The overload check: the backlog's growth late in a run, and the note `pwsim run` prints for it."""
 
 from __future__ import annotations
 
@@ -7,78 +7,101 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedweight.results.backlog import MIN_REQUESTS, overload_note, queue_growth
+from pagedweight.results.backlog import MAX_LOAD_RATIO, MIN_REQUESTS, overload_note, queue_growth
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def _fifo(arrival_s: np.ndarray, service_s: float) -> np.ndarray:
-    """First-token times of one FIFO server taking ``service_s`` a request."""
-    first = np.empty_like(arrival_s)
+    """Finish times of one FIFO server taking ``service_s`` a request."""
+    finish = np.empty_like(arrival_s)
     free_s = 0.0
     for i, t in enumerate(arrival_s):
         free_s = max(free_s, t) + service_s
-        first[i] = free_s
-    return first
+        finish[i] = free_s
+    return finish
 
 
-def test_a_queue_that_keeps_up_has_no_growth_however_high_its_ttft():
-    arrival = np.arange(400) * 0.5  # 2 req/s
-    first = arrival + 30.0  # a constant 30 s wait: high, but not growing
-    g = queue_growth(arrival, first, np.zeros(400, dtype=bool), float(first[-1]))
-    assert g["queue_growth_s_per_s"] == pytest.approx(0.0, abs=1e-12)
-    assert g["late_median_ttft_ms"] == pytest.approx(30_000.0)
+def _none_rejected(n: int) -> np.ndarray:
+    return np.zeros(n, dtype=bool)
+
+
+def test_a_policy_that_keeps_up_has_no_growth_however_long_its_requests():
+    arrival = np.arange(400) * 0.5  # 2 req/s, each in the system for 30 s: ~60 at a time, steady
+    g = queue_growth(arrival, arrival + 30.0, _none_rejected(400))
+    assert g["backlog_growth_per_s"] == pytest.approx(0.0, abs=0.05)
+    assert g["load_ratio"] == pytest.approx(1.0, abs=0.03)
+    assert g["drain_s"] == pytest.approx(30.0) and g["backlog_at_last_arrival"] == 60
     assert overload_note("p", g) is None
 
 
 @pytest.mark.parametrize("rho", [1.25, 2.0, 4.0])
 def test_an_overloaded_fifo_queue_reads_its_load(rho):
-    """Served at mu = 1 req/s, fed at rho req/s: TTFT grows at rho - 1 seconds per second."""
+    """Served at mu = 1 req/s, fed at rho req/s: the backlog grows by rho - 1 a second."""
     arrival = np.arange(2000) / rho
-    first = _fifo(arrival, 1.0)
-    g = queue_growth(arrival, first, np.zeros(2000, dtype=bool), float(first[-1]))
-    assert g["queue_growth_s_per_s"] == pytest.approx(rho - 1, rel=0.01)
+    g = queue_growth(arrival, _fifo(arrival, 1.0), _none_rejected(2000))
+    assert g["backlog_growth_per_s"] == pytest.approx(rho - 1, rel=0.02)
+    assert g["load_ratio"] == pytest.approx(rho, rel=0.02)
     note = overload_note("static-fp16", g)
-    assert note.startswith("static-fp16: the queue kept growing") and f"~{rho:.2f}x" in note
+    assert note.startswith("static-fp16: the queue kept growing") and f"~{g['load_ratio']:.2f}x" in note
+
+
+def test_the_order_of_service_does_not_hide_a_backlog():
+    """The same server serving the newest arrival first (LIFO): late arrivals see short waits,
+    early ones wait to the end; the count in the system grows all the same."""
+    arrival = np.arange(2000) / 2.0
+    done, finish, queue, now = 0, np.full(2000, np.nan), [], 0.0
+    i = 0
+    while done < 2000:  # one server, 1 s a request, the newest waiting request next
+        while i < 2000 and arrival[i] <= now:
+            queue.append(i)
+            i += 1
+        if not queue:
+            now = arrival[i]
+            continue
+        j = queue.pop()
+        now += 1.0
+        finish[j] = now
+        done += 1
+    g = queue_growth(arrival, finish, _none_rejected(2000))
+    assert g["load_ratio"] == pytest.approx(2.0, rel=0.02)
+    assert overload_note("pagedweight", g) is not None
 
 
 def test_a_light_load_on_the_same_server_reads_none():
     arrival = np.arange(2000) / 0.8
-    first = _fifo(arrival, 1.0)
-    g = queue_growth(arrival, first, np.zeros(2000, dtype=bool), float(first[-1]))
-    assert g["queue_growth_s_per_s"] == pytest.approx(0.0, abs=1e-9)
+    g = queue_growth(arrival, _fifo(arrival, 1.0), _none_rejected(2000))
+    assert g["backlog_growth_per_s"] == pytest.approx(0.0, abs=1e-9)
+    assert g["load_ratio"] == pytest.approx(1.0)
     assert overload_note("p", g) is None
 
 
-def test_a_trend_of_milliseconds_is_no_backlog():
-    arrival = np.arange(1000) * 0.001  # an overload, but the run is 1 s long: TTFTs stay under 1 s
-    first = _fifo(arrival, 0.0015)
-    g = queue_growth(arrival, first, np.zeros(1000, dtype=bool), float(first[-1]))
-    assert g["queue_growth_s_per_s"] > 0.4 and g["late_median_ttft_ms"] < 1000
+def test_a_backlog_of_milliseconds_is_none_to_note():
+    arrival = np.arange(1000) * 0.001  # overloaded, but it all clears 0.5 s after the last arrival
+    g = queue_growth(arrival, _fifo(arrival, 0.0015), _none_rejected(1000))
+    assert g["load_ratio"] > 1.4 and g["drain_s"] < 1.0
     assert overload_note("p", g) is None
 
 
-def test_unserved_requests_wait_until_the_end_and_rejected_ones_do_not_count():
+def test_unfinished_requests_stay_in_the_system_and_rejected_ones_do_not_count():
     n = 40
     arrival = np.arange(n, dtype=float)
-    first = arrival + 1.0
-    first[3 * n // 4 :] = np.nan  # the last quarter never got a token by the end, t = 100 s
-    rejected = np.zeros(n, dtype=bool)
-    g = queue_growth(arrival, first, rejected, 100.0)
-    late = 100.0 - arrival[3 * n // 4 :]
-    assert g["late_median_ttft_ms"] == pytest.approx(np.median(late) * 1e3)
-    assert g["queue_growth_s_per_s"] > 1.0
-    # The same requests with the unserved ones rejected instead: none of them is counted.
-    g2 = queue_growth(arrival, np.where(np.isnan(first), 0.0, first), np.isnan(first), 100.0)
-    assert g2["queue_growth_s_per_s"] == pytest.approx(0.0) and g2["late_median_ttft_ms"] == pytest.approx(1000.0)
+    finish = arrival + 1.0
+    finish[n // 2 :] = np.nan  # nothing finished in the second half: nothing served late
+    g = queue_growth(arrival, finish, _none_rejected(n))
+    assert g["load_ratio"] == MAX_LOAD_RATIO and g["backlog_at_last_arrival"] == n // 2
+    assert "100x or more" in overload_note("p", {**g, "drain_s": 5.0})
+    # The same requests with the unfinished ones rejected instead: none of them is counted.
+    g = queue_growth(arrival, np.where(np.isnan(finish), 0.0, finish), np.isnan(finish))
+    assert g["backlog_growth_per_s"] == 0.0 and g["load_ratio"] == pytest.approx(1.0)
 
 
-def test_too_few_requests_or_one_instant_give_no_trend():
+def test_too_few_requests_or_one_instant_tell_nothing():
     few = np.arange(MIN_REQUESTS - 1, dtype=float)
-    assert queue_growth(few, few + 5, np.zeros(len(few), dtype=bool), 99.0)["queue_growth_s_per_s"] == 0.0
+    assert queue_growth(few, few + 5, _none_rejected(len(few)))["load_ratio"] == 0.0
     burst = np.zeros(40)  # every request at t = 0
-    g = queue_growth(burst, np.arange(40.0), np.zeros(40, dtype=bool), 40.0)
-    assert g["queue_growth_s_per_s"] == 0.0 and g["late_median_ttft_ms"] > 0
+    g = queue_growth(burst, np.arange(1.0, 41.0), _none_rejected(40))
+    assert g["load_ratio"] == 0.0 and g["drain_s"] == 40.0 and g["backlog_at_last_arrival"] == 40
 
 
 def test_pwsim_run_notes_the_policy_whose_queue_kept_growing(tmp_path, capsys):
@@ -95,7 +118,7 @@ def test_pwsim_run_notes_the_policy_whose_queue_kept_growing(tmp_path, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     figures = json.loads((tmp_path / "run" / "summary.json").read_text())["policies"]["static-fp16"]
-    assert figures["queue_growth_s_per_s"] > 0.5 and figures["late_median_ttft_ms"] > 1000
+    assert figures["load_ratio"] > 1.5 and figures["drain_s"] > 1
     assert "note: static-fp16: the queue kept growing" in out
     assert "Note: static-fp16: the queue kept growing" in (tmp_path / "run" / "report.html").read_text()
     # The same scenario as shipped keeps up: no note.

@@ -256,7 +256,7 @@ def summarize_columns(
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
         "num_preemptions": int(cols.num_preemptions.sum()),
     }
-    out.update(queue_growth(cols.arrival_s, cols.first_token_s, cols.rejected, end_s))
+    out.update(queue_growth(cols.arrival_s, cols.finish_s, cols.rejected))
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl_ms), ("e2el", e2el)):
         _stats(name, values, out)
     if steps is not None and len(steps["kv_usage"]):
