@@ -35,6 +35,7 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("mean_e2el_ms", "mean end-to-end latency (ms)", "{:.1f}", "lower"),
     ("p99_e2el_ms", "P99 end-to-end latency (ms)", "{:.1f}", "lower"),
     ("num_preemptions", "preemptions", "{:.0f}", "lower"),
+    ("load_ratio", "offered load / served, late in the run (above 1: the queue kept growing)", "{:.2f}", "lower"),
     ("mean_kv_cache_usage_perc", "mean KV cache usage (%)", "{:.1f}", ""),
     ("mean_weight_gib", "mean weight memory (GiB)", "{:.2f}", "lower"),
     ("mean_quality_proxy", "quality proxy, mean dloss (nats/token)", "{:.4g}", "lower"),
@@ -61,6 +62,7 @@ KEY_METRICS = (
     "mean_tpot_ms",
     "p99_tpot_ms",
     "num_preemptions",
+    "load_ratio",
     "mean_quality_proxy",
 )
 # Precisions from the most to the fewest bits: stacking and colour order.
@@ -374,6 +376,7 @@ _SHORT = {
     "mean_tpot_ms": "TPOT ms",
     "p99_tpot_ms": "P99 TPOT",
     "num_preemptions": "preempt",
+    "load_ratio": "load x",
     "mean_quality_proxy": "quality",
 }
 
