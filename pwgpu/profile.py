@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F_
 
-from pagedweight.config.kernel_table import KEY_COLUMNS, OP_GROUPS, decode_step_routing
+from pagedweight.config.kernel_table import KEY_COLUMNS, OP_GROUPS, decode_step_counts, decode_step_routing
 from pagedweight.core.spec import PRECISION_NAMES, ModelSpec
 from pagedweight.errors import ConfigError
 from pwgpu.attention import PagedKvCache, build_batch, paged_attention
@@ -544,9 +544,8 @@ class EvenlyRoutedExperts:
     def moe_ffn(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         num_exp, t = len(self.w13[moe_layer]), x.shape[0]
         if t not in self._routes:
-            ids = decode_step_routing(t, self.top_k, num_exp)
-            counts = np.bincount(ids.ravel(), minlength=num_exp).tolist()
-            self._routes[t] = (torch.from_numpy(ids).to(x.device), counts)
+            ids = torch.from_numpy(decode_step_routing(t, self.top_k, num_exp)).to(x.device)
+            self._routes[t] = (ids, decode_step_counts(t, self.top_k, num_exp).tolist())
         ids, counts = self._routes[t]
         return moe_ffn_grouped(x, ids, topk_w, self.w13[moe_layer], self.w2[moe_layer], counts)
 

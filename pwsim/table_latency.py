@@ -60,7 +60,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pagedweight.config.kernel_table import decode_step_routing, read_kernel_table
+from pagedweight.config.kernel_table import decode_step_counts, read_kernel_table
 from pagedweight.config.latency import TableLatencyConfig
 from pagedweight.core.spec import PRECISION_ID, PRECISION_NAMES, GpuSpec, ModelSpec
 from pagedweight.core.step import StepShape
@@ -285,15 +285,14 @@ class TableLatencyModel:
 
     def _decode_scale(self, whole: Grid, precision_id: int) -> Grid:
         """``decode_step`` over the sum of the other rows for the profiler's step at each of its
-        points (``pwgpu.profile.Profiler.decode_step``: ``decode_step_routing`` on every MoE
+        points (``pwgpu.profile.Profiler.decode_step``: ``decode_step_counts`` on every MoE
         layer, every expert at ``precision_id``)."""
         md = self.model
         ids = np.full((md.num_moe_layers, md.num_experts), precision_id, dtype=np.int64)
         values = []
         for b, row in zip(whole.xs, whole.values, strict=True):
             b = int(b)
-            slots = decode_step_routing(b, md.top_k, md.num_experts)
-            counts = np.bincount(slots.ravel(), minlength=md.num_experts).astype(np.float64)
+            counts = decode_step_counts(b, md.top_k, md.num_experts).astype(np.float64)
             tokens = np.repeat(counts[None, :], md.num_moe_layers, axis=0)
             out = []
             for kv, measured_s in zip(whole.ys, row, strict=True):

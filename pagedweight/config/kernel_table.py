@@ -85,6 +85,11 @@ def decode_step_routing(num_tokens: int, top_k: int, num_experts: int) -> np.nda
     return (np.arange(num_tokens)[:, None] * top_k + np.arange(top_k)[None, :]) % num_experts
 
 
+def decode_step_counts(num_tokens: int, top_k: int, num_experts: int) -> np.ndarray:
+    """Tokens per expert [E] of ``decode_step_routing``."""
+    return np.bincount(decode_step_routing(num_tokens, top_k, num_experts).ravel(), minlength=num_experts)
+
+
 def meta_path(csv_path: str | Path) -> Path:
     p = Path(csv_path)
     return p.with_name(p.stem + ".meta.yaml")
