@@ -154,9 +154,23 @@ def test_random_sharing_and_eviction_keep_every_invariant(num_pages, blocks_per_
     """Holders as lists of blocks; a shared block is never freed while one still holds it, and
     a key always names the block it was registered with. With a downgrade reserve and protected
     blocks: a KV allocation never leaves fewer free and cached pages than the reserve (unless
-    there were fewer already), and every free block counted can be allocated."""
+    there were fewer already), and every free block counted can be allocated. With one block
+    per page, the evictable blocks as keyed runs (the default there) go through the same states
+    as a block each: the keys here are no chain, so hits take blocks out of their runs'
+    middles too."""
+    states = play_sharing(num_pages, blocks_per_page, ops)
+    if blocks_per_page == 1:
+        assert play_sharing(num_pages, blocks_per_page, ops, keyed_runs=False) == states
+
+
+def play_sharing(num_pages, blocks_per_page, ops, keyed_runs=None):
+    """The ops of the test above, every invariant checked after each; returns the allocator's
+    state after each (LRU order, keys, pool owners, counts)."""
     pool = PagePool(num_pages * PAGE, PAGE)
     kv = KvBlockAllocator(pool, 1, PAGE // blocks_per_page)
+    if keyed_runs is not None:
+        kv.keyed_runs = keyed_runs
+    states = []
     holders: list[list[int]] = []
     weights: list[np.ndarray] = []
     registered: dict[int, int] = {}  # key -> block, as registered
@@ -213,12 +227,14 @@ def test_random_sharing_and_eviction_keep_every_invariant(num_pages, blocks_per_
         for key, block in registered.items():
             if kv.key_of(block) == key:
                 assert kv.lookup([key], 1)[0] == 1
+        states.append((kv.evictable_blocks(), dict(kv._block_of_key), pool._owner_of.tolist(), kv.num_evicted_blocks))
     for h in holders:
         kv.free(h)
     for w in weights:
         pool.free(w, weight_owner(0))
     kv.check()
     assert pool.num_owned(OWNER_KV) == 0
+    return states
 
 
 # ---- the scheduler ---------------------------------------------------------------------------
@@ -295,6 +311,7 @@ def run_shared_workload(
     private_tails=False,
     coverage=None,
     admission="forecast",
+    keyed_runs=None,
 ):
     """Requests whose prompts extend a few shared prefixes, to the end; every invariant at every
     step. With ``protect`` (and the hook), every cached block is protected before each step and
@@ -304,7 +321,7 @@ def run_shared_workload(
     are marked private from their first key no other request has, as the simulator marks a
     trace's (``private_as_shared``: the same keys, none marked private). Returns the steps
     taken, the prompt tokens served from the cache, the evicted blocks, the evictable blocks in
-    LRU order and the preemptions."""
+    LRU order and the preemptions. ``keyed_runs``: set on the allocator (None: its default)."""
     rng = np.random.default_rng(seed)
     pool, kv, s = make(
         num_pages,
@@ -315,6 +332,8 @@ def run_shared_workload(
         preemption_mode=mode,
         admission=admission,
     )
+    if keyed_runs is not None:
+        kv.keyed_runs = keyed_runs
     weights = list(pool.alloc(OWNER_PINNED, num_pages // 4))
     if with_hook:
 
@@ -433,6 +452,29 @@ def test_random_shared_prefix_workloads_keep_every_invariant():
     # Shared prefixes with private tails, some of those requests preempted (their tails then
     # registered), in several examples.
     assert sum(n > 0 for n, _ in tails) >= 5 and sum(p > 0 for _, p in tails) >= 2, tails
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_pages=st.integers(8, 48),
+    block_tokens=st.sampled_from([1, 4, 16]),
+    max_batched=st.integers(16, 256),
+    num_requests=st.integers(5, 40),
+    with_hook=st.booleans(),
+    mode=st.sampled_from(["recompute", "swap"]),
+    protect=st.booleans(),
+    private_every=st.sampled_from([0, 1, 3]),
+    private_tails=st.booleans(),
+    admission=st.sampled_from(["forecast", "greedy"]),
+)
+def test_keyed_runs_are_a_block_each_in_one_entry(**kw):
+    """With one block per page a request's released blocks enter the LRU set as one keyed run
+    (``KvBlockAllocator.keyed_runs``), and hits take them back off its end: every decision,
+    hit, eviction and the LRU order at the end are those of a block per entry."""
+    assert run_shared_workload(**kw, blocks_per_page=1) == run_shared_workload(
+        **kw, blocks_per_page=1, keyed_runs=False
+    )
 
 
 def private_pair_run(private: bool):

@@ -24,17 +24,25 @@ from pagedweight.errors import PoolError, PoolExhausted
 _IS_BLOCK = partial(is_not, None)  # a cached key's block, not a miss (dict.get's None)
 
 
-class _RetiredRun:
-    """Blocks retired together by one request, evictable with no key (``retire``), in eviction
-    order from ``start``: one entry of the LRU set for the whole run, so retiring a 10,000-token
-    prompt and reusing its blocks costs a slice, not a dict operation per block. Used with one
-    block per page, where a block's page needs no bookkeeping of its own."""
+class _Run:
+    """Blocks one request made evictable together, in eviction order from ``start`` to the end
+    of ``blocks``: one entry of the LRU set for all of them, so making a 10,000-token prompt's
+    blocks evictable and evicting them costs slices, not an entry per block. Used with one
+    block per page, where a block's page needs no bookkeeping of its own (it is a cached page
+    exactly when the block is evictable).
 
-    __slots__ = ("blocks", "start")
+    Unkeyed (``retire``: private blocks nobody can ask for) or keyed (``release``: a request's
+    cached blocks nobody holds any more, its last block first). Evictions take a run's first
+    blocks; a prefix hit takes back a keyed run's last ones (``_unidle_runs``): the run lists a
+    prompt's blocks from its end back to its start, and a hit takes the blocks of a prompt's
+    first keys, which are the run's last."""
 
-    def __init__(self, blocks: list[int]):
+    __slots__ = ("blocks", "start", "keyed")
+
+    def __init__(self, blocks: list[int], keyed: bool = False):
         self.blocks = blocks
         self.start = 0
+        self.keyed = keyed
 
 
 class KvBlockAllocator:
@@ -54,7 +62,9 @@ class KvBlockAllocator:
     take free slots and free pages first, then reuse the least recently used evictable blocks in
     place; a weight allocation that finds too few free pages reclaims whole ``OWNER_KV_CACHED``
     pages (the pool's ``reclaim`` hook). A page is owned by ``OWNER_KV`` while any of its blocks
-    is held by a request, by ``OWNER_KV_CACHED`` while all its used blocks are evictable.
+    is held by a request, by ``OWNER_KV_CACHED`` while all its used blocks are evictable. With
+    one block per page, the blocks a request lets go of together are one entry of the LRU set
+    (``_Run``; ``keyed_runs``), and a block is evictable exactly when its page is a cached page.
 
     Protection (``protected_blocks``, set by the ``pagedweight`` controller when the cache is
     worth more than the downgrades that would spare it): that many evictable blocks are not
@@ -88,10 +98,14 @@ class KvBlockAllocator:
         self._key_of_block: dict[int, int] = {}
         self._refs: dict[int, int] = {}  # cached blocks held by two or more: how many (one: absent)
         # Entries: a block (cached under a key, or retired with no key where pages hold several
-        # blocks) or a ``_RetiredRun`` of blocks; ``_num_evictable`` counts the blocks.
-        self._evictable: OrderedDict[int | _RetiredRun, None] = OrderedDict()
+        # blocks) or a ``_Run`` of blocks; ``_num_evictable`` counts the blocks.
+        self._evictable: OrderedDict[int | _Run, None] = OrderedDict()
         self._num_evictable = 0
-        self._num_runs = 0  # ``_RetiredRun`` entries: with none, evictions are taken in bulk
+        self._num_runs = 0  # ``_Run`` entries: with none, evictions are taken in bulk
+        # With one block per page, released blocks go in as keyed runs, found by their last
+        # block when a hit takes them back (tests turn this off to compare with a block each).
+        self.keyed_runs = self.blocks_per_page == 1
+        self._run_by_tail: dict[int, _Run] = {}  # keyed run's last block -> the run
         # Evictable blocks per page, kept only with several blocks a page (with one, a page is
         # evictable exactly when its block is).
         self._evictable_in_page = np.zeros(pool.num_pages, dtype=np.int32)
@@ -175,7 +189,7 @@ class KvBlockAllocator:
         """The evictable blocks, least recently used first (tests, checks)."""
         out: list[int] = []
         for entry in self._evictable:
-            if type(entry) is _RetiredRun:
+            if type(entry) is _Run:
                 out.extend(entry.blocks[entry.start :])
             else:
                 out.append(entry)
@@ -287,7 +301,7 @@ class KvBlockAllocator:
             # come after its shared ones, are older in the LRU order than the shared ones.
             idle = block_ids[num_dead - 1 : num_shared - 1 if num_shared > 0 else None : -1]
             if self.blocks_per_page == 1:
-                self._evictable[_RetiredRun(idle)] = None
+                self._evictable[_Run(idle)] = None
                 self._num_runs += 1
                 self._num_evictable += len(idle)
                 self.num_used_blocks -= len(idle)
@@ -379,7 +393,15 @@ class KvBlockAllocator:
         blocks = self._cached_run(keys, limit)
         if not blocks:
             return 0, 0
-        return len(blocks), sum(map(self._evictable.__contains__, blocks)) if self._num_evictable else 0
+        return len(blocks), sum(self._idle_flags(blocks)) if self._num_evictable else 0
+
+    def _idle_flags(self, blocks: list[int]) -> list[bool]:
+        """Whether each of ``blocks`` (cached ones) is evictable: in the LRU set, or with keyed
+        runs, on a cached page (one block per page: the page is cached exactly then)."""
+        if not self.keyed_runs:
+            return list(map(self._evictable.__contains__, blocks))
+        owner_of = self.pool._owner_of
+        return (owner_of[np.asarray(blocks, dtype=np.int64)] == OWNER_KV_CACHED).tolist()
 
     def acquire(self, keys: Sequence[int], limit: int) -> list[int]:
         """The cached blocks of the longest cached run of leading ``keys`` (at most ``limit``),
@@ -388,13 +410,16 @@ class KvBlockAllocator:
         if not out:
             return out
         evictable, refs = self._evictable, self._refs
-        is_idle = list(map(evictable.__contains__, out)) if self._num_evictable else [False] * len(out)
+        is_idle = self._idle_flags(out) if self._num_evictable else [False] * len(out)
         idle = list(compress(out, is_idle))
         held = list(compress(out, map(not_, is_idle))) if len(idle) < len(out) else []
         if held:  # one more holder each (a block held once has no count: 1 -> 2)
             refs.update(zip(held, map(add, map(refs.get, held, repeat(1)), repeat(1)), strict=True))
         if idle:
-            deque(map(evictable.__delitem__, idle), maxlen=0)
+            if self.keyed_runs:
+                self._unidle_runs(idle)
+            else:
+                deque(map(evictable.__delitem__, idle), maxlen=0)
             self.num_used_blocks += len(idle)
             self._num_evictable -= len(idle)
             self._held_again(idle)
@@ -417,7 +442,14 @@ class KvBlockAllocator:
         most recently used, a request's last block ahead of its first: so its last block, the
         prefix least likely to be shared, is evicted first (as vLLM does)."""
         refs, evictable = self._refs, self._evictable
-        if not evictable.keys().isdisjoint(blocks):  # callers pass cached blocks (``free`` sorts them out)
+        # Callers pass cached blocks held by a request (``free`` sorts them out). With keyed runs
+        # that is checked as the pool checks its pages, only while ``pool.validate`` is on (the
+        # simulator turns it off in runs and checks the whole state at the end, ``check``).
+        if self.keyed_runs:
+            if self.pool.validate and self._num_evictable and any(self._idle_flags(blocks)):
+                block = next(b for b, idle in zip(blocks, self._idle_flags(blocks), strict=True) if idle)
+                raise PoolError(f"KV block {block} is not a cached block held by a request")
+        elif not evictable.keys().isdisjoint(blocks):
             block = next(b for b in blocks if b in evictable)
             raise PoolError(f"KV block {block} is not a cached block held by a request")
         if not refs or refs.keys().isdisjoint(blocks):  # held by this request alone: all idle now
@@ -438,8 +470,13 @@ class KvBlockAllocator:
     def _make_idle(self, idle: list[int]) -> None:
         """Held blocks nobody holds any more become evictable, in this order (first: evicted
         first among them), and a page whose used blocks are all evictable a cached page."""
-        # Each appended in C (``update(dict.fromkeys(idle))`` built a dict first: 128 -> 72 ns a block).
-        deque(map(self._evictable.__setitem__, idle, repeat(None)), maxlen=0)
+        if self.keyed_runs:  # one entry for all (``_Run``), found by its last block on a hit
+            run = _Run(idle, keyed=True)
+            self._evictable[run] = None
+            self._num_runs += 1
+            self._run_by_tail[idle[-1]] = run
+        else:  # each appended in C (``update(dict.fromkeys(idle))`` built a dict first: 128 -> 72 ns a block)
+            deque(map(self._evictable.__setitem__, idle, repeat(None)), maxlen=0)
         self._num_evictable += len(idle)
         self.num_used_blocks -= len(idle)
         bpp, owner_of = self.blocks_per_page, self.pool._owner_of
@@ -462,7 +499,7 @@ class KvBlockAllocator:
 
     def holders(self, block: int) -> int:
         """Requests holding a cached block (0 when evictable)."""
-        if block not in self._key_of_block or block in self._evictable:
+        if block not in self._key_of_block or self._idle_flags([block])[0]:
             return 0
         return self._refs.get(block, 1)
 
@@ -537,8 +574,9 @@ class KvBlockAllocator:
 
     def _take_lru(self, num_blocks: int) -> list[tuple[bool, list[int]]]:
         """Take the ``num_blocks`` least recently used evictable blocks out of the evictable set,
-        in order, as pieces ``(from a retired run, blocks)``. Usually one block (a decode crossing
-        into a new block once the cache fills the memory), or a slice of a retired run. Blocks
+        in order, as pieces ``(unkeyed, blocks)``: unkeyed when from a retired run (``_Run``
+        with no keys). Usually one block (a decode crossing into a new block once the cache
+        fills the memory), or a slice of a run. Blocks
         between runs are taken a stretch at a time in C (``islice``, and ``map`` over ``pop``),
         not a Python step each: a Mooncake prompt's shared blocks sit between the runs of the
         private ones."""
@@ -552,22 +590,24 @@ class KvBlockAllocator:
         left = num_blocks
         while left:
             entry = next(iter(evictable))
-            if type(entry) is _RetiredRun:
+            if type(entry) is _Run:
                 blocks, start = entry.blocks, entry.start
                 if start + left >= len(blocks):
                     evictable.popitem(last=False)
                     self._num_runs -= 1
+                    if entry.keyed:
+                        del self._run_by_tail[blocks[-1]]
                     taken = blocks[start:] if start else blocks
                 else:
                     taken = blocks[start : start + left]
                     entry.start = start + left
-                pieces.append((True, taken))
+                pieces.append((not entry.keyed, taken))
                 left -= len(taken)
                 continue
             head = list(islice(evictable, left))
             kinds = list(map(type, head))
-            if _RetiredRun in kinds:  # the blocks before the next run
-                head = head[: kinds.index(_RetiredRun)]
+            if _Run in kinds:  # the blocks before the next run
+                head = head[: kinds.index(_Run)]
             deque(map(evictable.pop, head), maxlen=0)
             pieces.append((False, head))
             left -= len(head)
@@ -586,17 +626,21 @@ class KvBlockAllocator:
         evictions, ghosts and counts as the general path (a test runs both on twin allocators)."""
         evictable, ghosts = self._evictable, self.ghosts
         entry = next(iter(evictable))
-        if type(entry) is _RetiredRun:
+        if type(entry) is _Run:
             block = entry.blocks[entry.start]
             entry.start += 1
             if entry.start == len(entry.blocks):
                 evictable.popitem(last=False)
                 self._num_runs -= 1
-            if ghosts is not None:
-                ghosts.newer_anonymous += 1
+                if entry.keyed:
+                    del self._run_by_tail[block]
         else:
             evictable.popitem(last=False)
             block = entry
+        if type(entry) is _Run and not entry.keyed:
+            if ghosts is not None:
+                ghosts.newer_anonymous += 1
+        else:
             key = self._key_of_block.pop(block, None)
             if key is not None:
                 del self._block_of_key[key]
@@ -618,9 +662,9 @@ class KvBlockAllocator:
         form), and hand them out in place, in order."""
         ghosts = self.ghosts
         out: list[int] = []
-        for from_run, blocks in pieces:
+        for unkeyed, blocks in pieces:
             out.extend(blocks)
-            if from_run:  # retired blocks: no key, each a ghost slot no lookup can hit (see _forget)
+            if unkeyed:  # retired blocks: no key, each a ghost slot no lookup can hit (see _forget)
                 if ghosts is not None:
                     ghosts.newer_anonymous += len(blocks)
             else:
@@ -636,6 +680,54 @@ class KvBlockAllocator:
         self.num_used_blocks += num_blocks
         self._held_again(out)
         return out
+
+    def _unidle_runs(self, idle: list[int]) -> None:
+        """Take ``idle`` (evictable blocks a hit holds again, in the order of its keys) out of
+        their keyed runs. A hit's blocks are the prefix of a prompt, so each run loses its last
+        blocks, starting at its last (``_Run``): a slice off its end. Any other case (keys
+        that are not a chain, which no runtime makes) takes the blocks out one by one, in the
+        same LRU order (``_unidle_scattered``)."""
+        by_tail, evictable = self._run_by_tail, self._evictable
+        i, n = 0, len(idle)
+        while i < n:
+            run = by_tail.pop(idle[i], None)
+            if run is None:
+                self._unidle_scattered(idle[i:])
+                return
+            blocks, start = run.blocks, run.start
+            m = min(n - i, len(blocks) - start)
+            if blocks[len(blocks) - m :] != idle[i : i + m][::-1]:  # the run goes on past the hit
+                last, m = len(blocks) - 1, 1
+                while m < n - i and last - m >= start and blocks[last - m] == idle[i + m]:
+                    m += 1
+            del blocks[len(blocks) - m :]
+            if len(blocks) == start:
+                del evictable[run]
+                self._num_runs -= 1
+            else:
+                by_tail[blocks[-1]] = run
+            i += m
+
+    def _unidle_scattered(self, idle: list[int]) -> None:
+        """``_unidle_runs`` for blocks anywhere in their runs: each run loses them and keeps
+        its other blocks in order (a pass over the evictable set)."""
+        wanted = set(idle)
+        for run in list(self._evictable):
+            live = run.blocks[run.start :]
+            if wanted.isdisjoint(live):
+                continue
+            del self._run_by_tail[live[-1]]
+            kept = [b for b in live if b not in wanted]
+            wanted.difference_update(live)
+            if kept:
+                run.blocks, run.start = kept, 0
+                self._run_by_tail[kept[-1]] = run
+            else:
+                del self._evictable[run]
+                self._num_runs -= 1
+            if not wanted:
+                return
+        raise PoolError(f"KV blocks {sorted(wanted)} are not evictable")
 
     def _held_again(self, blocks: list[int]) -> None:
         """Blocks just taken out of the evictable set are held by a request again: their pages
@@ -695,9 +787,9 @@ class KvBlockAllocator:
             return
         ghosts = self.ghosts
         freed: list[int] = []
-        for from_run, blocks in self._take_lru(num_blocks):
+        for unkeyed, blocks in self._take_lru(num_blocks):
             freed.extend(blocks)
-            if from_run:
+            if unkeyed:
                 if ghosts is not None:
                     ghosts.add_anonymous(len(blocks))
                 continue
@@ -752,3 +844,10 @@ class KvBlockAllocator:
             raise PoolError("prefix cache: a shared block is evictable or has no key")
         if any(n < 2 for n in self._refs.values()):
             raise PoolError("prefix cache: a shared block's count below two")
+        keyed = [e for e in self._evictable if type(e) is _Run and e.keyed]
+        if len(keyed) != len(self._run_by_tail) or any(self._run_by_tail.get(r.blocks[-1]) is not r for r in keyed):
+            raise PoolError("prefix cache: a keyed run is not found by its last block")
+        if any(type(e) is _Run and len(e.blocks) == e.start for e in self._evictable):
+            raise PoolError("prefix cache: an empty run in the evictable set")
+        if any(self._key_of_block.get(b) is None for r in keyed for b in r.blocks[r.start :]):
+            raise PoolError("prefix cache: a keyed run holds a block with no key")
