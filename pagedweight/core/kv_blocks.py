@@ -93,9 +93,13 @@ class KvBlockAllocator:
         # pages before it frees the old ones. Set by the controller; 0 for static policies.
         self.reserve_pages = 0
         # Prefix cache: content key <-> block, requests holding each cached block, and the
-        # cached blocks nobody holds, least recently used first.
+        # cached blocks nobody holds, least recently used first. A block's key is in arrays
+        # indexed by block id (``_keyed``: whether it has one), read and written for a whole
+        # list of blocks in one numpy call where a dict took a step per block.
         self._block_of_key: dict[int, int] = {}
-        self._key_of_block: dict[int, int] = {}
+        num_blocks = pool.num_pages * self.blocks_per_page
+        self._key_of = np.zeros(num_blocks, dtype=np.int64)
+        self._keyed = np.zeros(num_blocks, dtype=bool)
         self._refs: dict[int, int] = {}  # cached blocks held by two or more: how many (one: absent)
         # Entries: a block (cached under a key, or retired with no key where pages hold several
         # blocks) or a ``_Run`` of blocks; ``_num_evictable`` counts the blocks.
@@ -277,11 +281,10 @@ class KvBlockAllocator:
         self._free_unkeyed(private)
 
     def _split_cached(self, block_ids: list[int]) -> tuple[list[int], list[int]]:
-        """``block_ids`` as (cached blocks, the others), each in order; one pass in C each."""
-        keyed = self._key_of_block
-        if not keyed:
+        """``block_ids`` as (cached blocks, the others), each in order."""
+        if not self._block_of_key or not block_ids:
             return [], block_ids
-        is_cached = list(map(keyed.__contains__, block_ids))
+        is_cached = self._keyed[np.asarray(block_ids, dtype=np.int64)].tolist()
         cached = list(compress(block_ids, is_cached))
         if len(cached) == len(block_ids):
             return cached, []
@@ -352,31 +355,34 @@ class KvBlockAllocator:
         """Register a block a request holds, whose KV is computed, under its content ``key``.
         False (and nothing changes) if the key is cached already (another request computed the
         same prefix meanwhile: this block stays private) or the block is cached under a key."""
-        if key in self._block_of_key or block in self._key_of_block:
+        if key in self._block_of_key or self._keyed[block]:
             return False
         self._block_of_key[key] = block
-        self._key_of_block[block] = key
+        self._key_of[block] = key
+        self._keyed[block] = True
         return True
 
     def cache_blocks(self, blocks: Sequence[int], keys: Sequence[int]) -> None:
         """``cache_block`` for each pair, in one call (a request's newly computed blocks)."""
-        by_key, by_block = self._block_of_key, self._key_of_block
+        by_key = self._block_of_key
         if len(blocks) != len(keys):
             raise PoolError(f"{len(blocks)} blocks for {len(keys)} keys")
-        # Usually none is cached yet: two bulk updates (a long prompt has ~1,000 blocks). A key
-        # listed twice shows in the count, and taking the keys out again undoes the update
-        # (none was there before), cheaper than a set of them first.
-        if by_key.keys().isdisjoint(keys) and by_block.keys().isdisjoint(blocks):
+        if not blocks:
+            return
+        # Usually none is cached yet: one bulk update (a long prompt has ~1,000 blocks) and two
+        # array writes. A key listed twice shows in the count, and taking the keys out again
+        # undoes the update (none was there before), cheaper than a set of them first.
+        at = np.asarray(blocks, dtype=np.int64)
+        if by_key.keys().isdisjoint(keys) and not self._keyed[at].any():
             before = len(by_key)
             by_key.update(zip(keys, blocks, strict=True))
             if len(by_key) == before + len(keys):
-                by_block.update(zip(blocks, keys, strict=True))
+                self._key_of[at] = keys
+                self._keyed[at] = True
                 return
             deque(map(by_key.pop, keys, repeat(None)), maxlen=0)
         for block, key in zip(blocks, keys, strict=True):
-            if key not in by_key and block not in by_block:
-                by_key[key] = block
-                by_block[block] = key
+            self.cache_block(block, key)
 
     def _cached_run(self, keys: Sequence[int], limit: int) -> list[int]:
         """The cached blocks of the leading ``keys`` (at most ``limit``), up to the first key not
@@ -495,11 +501,11 @@ class KvBlockAllocator:
 
     def key_of(self, block: int) -> int | None:
         """The content key a block is cached under, or None."""
-        return self._key_of_block.get(block)
+        return int(self._key_of[block]) if self._keyed[block] else None
 
     def holders(self, block: int) -> int:
         """Requests holding a cached block (0 when evictable)."""
-        if block not in self._key_of_block or self._idle_flags([block])[0]:
+        if not self._keyed[block] or self._idle_flags([block])[0]:
             return 0
         return self._refs.get(block, 1)
 
@@ -556,9 +562,7 @@ class KvBlockAllocator:
         """Evict one evictable block: its key is forgotten; returns its page."""
         del self._evictable[block]
         self._num_evictable -= 1
-        key = self._key_of_block.pop(block, None)
-        if key is not None:  # a retired block has none
-            del self._block_of_key[key]
+        key = self._forget_key(block)
         if self.ghosts is not None:
             # A retired block takes a slot in the ghost list that no lookup can hit, as its key
             # would have: the list's contents are those of registering every block.
@@ -576,10 +580,9 @@ class KvBlockAllocator:
         """Take the ``num_blocks`` least recently used evictable blocks out of the evictable set,
         in order, as pieces ``(unkeyed, blocks)``: unkeyed when from a retired run (``_Run``
         with no keys). Usually one block (a decode crossing into a new block once the cache
-        fills the memory), or a slice of a run. Blocks
-        between runs are taken a stretch at a time in C (``islice``, and ``map`` over ``pop``),
-        not a Python step each: a Mooncake prompt's shared blocks sit between the runs of the
-        private ones."""
+        fills the memory), or a slice of a run. Blocks between runs (several blocks per page)
+        are taken a stretch at a time in C (``islice``, and ``map`` over ``pop``), not a Python
+        step each."""
         evictable = self._evictable
         if not self._num_runs:  # blocks only: one slice, popped in C
             head = list(islice(evictable, num_blocks))
@@ -641,9 +644,7 @@ class KvBlockAllocator:
             if ghosts is not None:
                 ghosts.newer_anonymous += 1
         else:
-            key = self._key_of_block.pop(block, None)
-            if key is not None:
-                del self._block_of_key[key]
+            key = self._forget_key(block)
             if ghosts is not None:
                 if key is None:
                     ghosts.newer_anonymous += 1
@@ -746,11 +747,29 @@ class KvBlockAllocator:
                 to_kv.append(page)
         self._move_pages(to_kv, OWNER_KV_CACHED, OWNER_KV)
 
+    def _forget_key(self, block: int) -> int | None:
+        """An evicted block's key is forgotten; returns it (None: a retired block has none)."""
+        if not self._keyed[block]:
+            return None
+        self._keyed[block] = False
+        key = int(self._key_of[block])
+        del self._block_of_key[key]
+        return key
+
     def _forget_keys(self, blocks: list[int]) -> list[int | None]:
-        """Evicted blocks' keys are forgotten, in C loops (``map`` over the dicts' methods, not
-        a Python step per block); returns each block's key in order (None: a retired block)."""
-        keys = list(map(self._key_of_block.pop, blocks, repeat(None)))
-        deque(map(self._block_of_key.__delitem__, [k for k in keys if k is not None] if None in keys else keys), 0)
+        """``_forget_key`` for each of ``blocks``: a few one by one, more in numpy calls and a C
+        loop over the dict (``map``), not a Python step per block; their keys in order."""
+        if len(blocks) <= 8:
+            return [self._forget_key(b) for b in blocks]
+        at = np.asarray(blocks, dtype=np.int64)
+        keyed = self._keyed[at]
+        keys: list[int | None] = self._key_of[at].tolist()
+        self._keyed[at] = False
+        if not keyed.all():
+            keys = [k if f else None for k, f in zip(keys, keyed.tolist(), strict=True)]
+            deque(map(self._block_of_key.__delitem__, [k for k in keys if k is not None]), 0)
+        else:
+            deque(map(self._block_of_key.__delitem__, keys), 0)
         return keys
 
     def _reclaim_pages(self, num_pages: int) -> None:
@@ -836,11 +855,11 @@ class KvBlockAllocator:
             raise PoolError("a KV page's owner disagrees with its blocks (held: kv; only evictable: kv_cached)")
         if ((owners == OWNER_KV) | (owners == OWNER_KV_CACHED))[~in_use].any():
             raise PoolError("a KV page without a block in use")
-        if len(self._block_of_key) != len(self._key_of_block) or any(
-            self._block_of_key.get(k) != b for b, k in self._key_of_block.items()
+        if len(self._block_of_key) != int(self._keyed.sum()) or any(
+            not self._keyed[b] or self._key_of[b] != k for k, b in self._block_of_key.items()
         ):
             raise PoolError("prefix cache: key and block maps disagree")
-        if set(self._refs) & set(evictable) or not set(self._refs) <= set(self._key_of_block):
+        if set(self._refs) & set(evictable) or not all(self._keyed[b] for b in self._refs):
             raise PoolError("prefix cache: a shared block is evictable or has no key")
         if any(n < 2 for n in self._refs.values()):
             raise PoolError("prefix cache: a shared block's count below two")
@@ -849,5 +868,5 @@ class KvBlockAllocator:
             raise PoolError("prefix cache: a keyed run is not found by its last block")
         if any(type(e) is _Run and len(e.blocks) == e.start for e in self._evictable):
             raise PoolError("prefix cache: an empty run in the evictable set")
-        if any(self._key_of_block.get(b) is None for r in keyed for b in r.blocks[r.start :]):
+        if any(not self._keyed[b] for r in keyed for b in r.blocks[r.start :]):
             raise PoolError("prefix cache: a keyed run holds a block with no key")
