@@ -418,27 +418,30 @@ def test_protection_never_keeps_a_hit_waiting_for_ever():
     assert steps > 0
 
 
+# ``run_shared_workload``'s arguments but the blocks per page, drawn by the properties below.
+SHARED_WORKLOADS = dict(
+    seed=st.integers(0, 2**32 - 1),
+    num_pages=st.integers(8, 48),
+    block_tokens=st.sampled_from([1, 4, 16]),
+    max_batched=st.integers(16, 256),
+    num_requests=st.integers(5, 40),
+    with_hook=st.booleans(),
+    mode=st.sampled_from(["recompute", "swap"]),
+    protect=st.booleans(),
+    private_every=st.sampled_from([0, 1, 3]),
+    private_tails=st.booleans(),
+    admission=st.sampled_from(["forecast", "greedy"]),  # greedy admission preempts more
+)
+
+
 def test_random_shared_prefix_workloads_keep_every_invariant():
     results: list[tuple[int, int]] = []
     tails: list[tuple[int, int]] = []
 
     @settings(
-        max_examples=25, deadline=None, derandomize=True
+        max_examples=40, deadline=None, derandomize=True
     )  # fixed examples: the coverage check below is deterministic
-    @given(
-        seed=st.integers(0, 2**32 - 1),
-        num_pages=st.integers(8, 48),
-        blocks_per_page=st.integers(1, 4),
-        block_tokens=st.sampled_from([1, 4, 16]),
-        max_batched=st.integers(16, 256),
-        num_requests=st.integers(5, 40),
-        with_hook=st.booleans(),
-        mode=st.sampled_from(["recompute", "swap"]),
-        protect=st.booleans(),
-        private_every=st.sampled_from([0, 1, 3]),
-        private_tails=st.booleans(),
-        admission=st.sampled_from(["forecast", "greedy"]),  # greedy admission preempts more
-    )
+    @given(**SHARED_WORKLOADS, blocks_per_page=st.integers(1, 4))
     def workload(**kw):
         out = run_shared_workload(**kw, coverage=tails if kw["private_tails"] else None)
         results.append(out)
@@ -455,19 +458,7 @@ def test_random_shared_prefix_workloads_keep_every_invariant():
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    num_pages=st.integers(8, 48),
-    block_tokens=st.sampled_from([1, 4, 16]),
-    max_batched=st.integers(16, 256),
-    num_requests=st.integers(5, 40),
-    with_hook=st.booleans(),
-    mode=st.sampled_from(["recompute", "swap"]),
-    protect=st.booleans(),
-    private_every=st.sampled_from([0, 1, 3]),
-    private_tails=st.booleans(),
-    admission=st.sampled_from(["forecast", "greedy"]),
-)
+@given(**SHARED_WORKLOADS)
 def test_keyed_runs_are_a_block_each_in_one_entry(**kw):
     """With one block per page a request's released blocks enter the LRU set as one keyed run
     (``KvBlockAllocator.keyed_runs``), and hits take them back off its end: every decision,

@@ -452,8 +452,9 @@ class KvBlockAllocator:
         # that is checked as the pool checks its pages, only while ``pool.validate`` is on (the
         # simulator turns it off in runs and checks the whole state at the end, ``check``).
         if self.keyed_runs:
-            if self.pool.validate and self._num_evictable and any(self._idle_flags(blocks)):
-                block = next(b for b, idle in zip(blocks, self._idle_flags(blocks), strict=True) if idle)
+            idle_now = self._idle_flags(blocks) if self.pool.validate and self._num_evictable else []
+            if any(idle_now):
+                block = next(compress(blocks, idle_now))
                 raise PoolError(f"KV block {block} is not a cached block held by a request")
         elif not evictable.keys().isdisjoint(blocks):
             block = next(b for b in blocks if b in evictable)

@@ -67,6 +67,12 @@ def queue_growth(arrival_s: np.ndarray, finish_s: np.ndarray, rejected: np.ndarr
     return {**out, "backlog_growth_per_s": growth, "load_ratio": ratio}
 
 
+def overload_notes(policies: dict[str, dict]) -> list[str]:
+    """``overload_note`` of each policy (name -> its summary) that has one, in order: what
+    ``pwsim run`` prints under its table and the report shows under its headline."""
+    return [note for policy, summary in policies.items() if (note := overload_note(policy, summary)) is not None]
+
+
 def overload_note(policy: str, summary: dict) -> str | None:
     """A line for a policy whose queue kept growing (see the module docstring), else None."""
     ratio = summary.get("load_ratio", 0.0)

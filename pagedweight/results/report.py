@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagedweight.results import report_plots as plots
-from pagedweight.results.backlog import overload_note
+from pagedweight.results.backlog import overload_notes
 from pagedweight.results.report_data import (
     KEY_METRICS,
     METRICS,
@@ -174,10 +174,10 @@ def headline(run: RunResults) -> str:
 
 def notes(run: RunResults) -> str:
     """What the run's summary notes (the trace's, the run's) and each policy whose queue kept
-    growing (``backlog.overload_note``): the lines ``pwsim run`` prints beside its table."""
+    growing (``backlog.overload_notes``): the lines ``pwsim run`` prints beside its table."""
     s = run.summary
     lines = [f"trace: {n}" for n in s.get("trace", {}).get("notes", [])] + list(s.get("notes", []))
-    lines += [n for p in run.policies if (n := overload_note(p, run.metrics(p))) is not None]
+    lines += overload_notes({p: run.metrics(p) for p in run.policies})
     if not lines:
         return ""
     return '<p class="facts">' + "<br>".join(f"Note: {html.escape(n)}" for n in lines) + "</p>"

@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedweight.results.backlog import overload_note
+    from pagedweight.results.backlog import overload_notes
     from pwsim.run import run_scenario
 
     for name in args.policy or []:  # before loading: a bad name is the error to report
@@ -51,10 +51,8 @@ def run(args: argparse.Namespace) -> int:
     for note in summary.get("notes", []):
         print(f"note: {note}")
     print(format_table(summary))
-    for policy, figures in summary["policies"].items():
-        note = overload_note(policy, figures)
-        if note:
-            print(f"note: {note}")
+    for note in overload_notes(summary["policies"]):
+        print(f"note: {note}")
     print(f"results: {out}/ (summary.json, requests.csv, steps.csv, report.html)")
     return 0
 
