@@ -62,7 +62,7 @@ def test_private_tails_change_nothing_but_the_work_of_keeping_keys():
     kv, s, reqs, prefill = run(True)
     assert [r.num_preemptions for r in reqs] == [0, 0, 1]
     assert s.prefix_hit_tokens == 20  # newest: the shared 8 tokens, then 12 of its own on readmission
-    assert not set(reqs[1].block_hashes[2:]) & set(kv._block_of_key)  # never registered
+    assert not set(reqs[1].block_hashes[2:]) & set(kv._block_of_key.as_dict())  # never registered
     kv_ref, s_ref, _, prefill_ref = run(False)
     assert prefill == prefill_ref and s.prefix_hit_tokens == s_ref.prefix_hit_tokens
     assert kv.num_evicted_blocks == kv_ref.num_evicted_blocks
@@ -227,7 +227,9 @@ def play_sharing(num_pages, blocks_per_page, ops, keyed_runs=None):
         for key, block in registered.items():
             if kv.key_of(block) == key:
                 assert kv.lookup([key], 1)[0] == 1
-        states.append((kv.evictable_blocks(), dict(kv._block_of_key), pool._owner_of.tolist(), kv.num_evicted_blocks))
+        states.append(
+            (kv.evictable_blocks(), kv._block_of_key.as_dict(), pool._owner_of.tolist(), kv.num_evicted_blocks)
+        )
     for h in holders:
         kv.free(h)
     for w in weights:
@@ -402,7 +404,7 @@ def run_shared_workload(
         if r.private_from is not None and not r.num_preemptions
         for k in r.block_hashes[r.private_from :]
     }
-    assert not unregistered & set(kv._block_of_key)
+    assert not unregistered & set(kv._block_of_key.as_dict())
     return steps, s.prefix_hit_tokens, kv.num_evicted_blocks, kv.evictable_blocks(), s.num_preemptions
 
 
@@ -486,7 +488,7 @@ def test_private_keys_change_nothing_but_the_work_of_keeping_keys():
     kv, s, first, newest, prefill = private_pair_run(True)
     assert newest.num_preemptions == 1 and first.num_preemptions == 0
     assert s.prefix_hit_tokens == 8  # readmitted: 2 of its 3 prompt blocks were still cached
-    assert not set(first.block_hashes) & set(kv._block_of_key)  # never registered
+    assert not set(first.block_hashes) & set(kv._block_of_key.as_dict())  # never registered
     kv_ref, s_ref, *_, prefill_ref = private_pair_run(False)
     assert prefill == prefill_ref
     assert s.prefix_hit_tokens == s_ref.prefix_hit_tokens
@@ -544,7 +546,7 @@ def test_one_block_reuse_is_the_general_eviction(ops):
         )
         assert kv.ghosts.newer == twin.ghosts.newer and len(kv.ghosts) == len(twin.ghosts)
         assert kv.pool.counts() == twin.pool.counts()
-        assert kv._block_of_key == twin._block_of_key
+        assert kv._block_of_key.as_dict() == twin._block_of_key.as_dict()
         kv.check()
         twin.check()
 
@@ -600,7 +602,7 @@ def test_blocks_one_by_one_in_one_call(ops, reserve, protected, blocks_per_page)
         )
         assert each.ghosts.newer == twin.ghosts.newer and len(each.ghosts) == len(twin.ghosts)
         assert each.pool.counts() == twin.pool.counts() and list(each.pool._owner_of) == list(twin.pool._owner_of)
-        assert each._block_of_key == twin._block_of_key
+        assert each._block_of_key.as_dict() == twin._block_of_key.as_dict()
         each.check()
     assert twin.num_free_blocks == 0  # each call took exactly one block off the free count
     with pytest.raises(PoolExhausted):
@@ -666,6 +668,6 @@ def test_registering_many_blocks_is_registering_each(keys, keyed_block):
     bulk.cache_blocks(blocks, keys)
     for b, k in zip(blocks, keys, strict=True):
         each.cache_block(b, k)
-    assert bulk._block_of_key == each._block_of_key
+    assert bulk._block_of_key.as_dict() == each._block_of_key.as_dict()
     assert [bulk.key_of(b) for b in range(8)] == [each.key_of(b) for b in range(8)]
     bulk.check()

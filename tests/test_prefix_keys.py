@@ -24,17 +24,37 @@ def test_token_keys_are_a_chain_of_full_blocks():
 
 def test_trace_keys_map_512_token_blocks_to_kv_blocks():
     keys = TraceBlockKeys([[7, 8], [7, 9], [5, 8]])
-    a, b, c = (keys.keys(i, 1000, 16) for i in range(3))
+    a, b, c = (keys.keys(i, 1000, 16).tolist() for i in range(3))
     assert len(a) == 1000 // 16
     # KV blocks 0..31 lie in trace block 0 (id 7 for a and b): shared; from block 32 on they differ.
     assert a[:32] == b[:32] and all(x != y for x, y in zip(a[32:], b[32:], strict=True))
     # Trace block 1 has id 8 in a and c, but the first blocks differ: nothing is shared.
     assert not set(a) & set(c)
     # A KV block straddling two trace blocks (24 tokens: block 21 spans 504..528) takes the later one.
-    a24, b24 = keys.keys(0, 1000, 24), keys.keys(1, 1000, 24)
+    a24, b24 = keys.keys(0, 1000, 24).tolist(), keys.keys(1, 1000, 24).tolist()
     assert a24[:21] == b24[:21] and a24[21] != b24[21]
     # Only blocks inside both the prompt and the trace's ids get a key.
     assert len(keys.keys(0, 100, 16)) == 6 and len(keys.keys(0, 5000, 16)) == 1024 // 16
+
+
+@pytest.mark.parametrize("block_tokens", [16, 24, 48, 512, 700])
+def test_trace_keys_are_numbered_densely_and_name_one_prefix_each(block_tokens):
+    """Keys are small non-negative numbers (the allocator's array), below chain nodes x KV blocks
+    per trace block, and two blocks share a key exactly when their prompts agree on every trace
+    block up to the one holding the block's last token and the blocks sit at the same place."""
+    ids = [[7, 8, 4], [7, 9], [5, 8], [7, 8, 6], [7, 8, 4, 1, 2], []]
+    keys = TraceBlockKeys(ids)
+    nodes = len({tuple(r[: t + 1]) for r in ids for t in range(len(r))})
+    named: dict[int, tuple] = {}
+    key_of: dict[tuple, int] = {}
+    for r, row in enumerate(ids):
+        got = keys.keys(r, 3000, block_tokens)
+        assert got.dtype == np.int64 and len(got) == min(3000, 512 * len(row)) // block_tokens
+        for j, key in enumerate(got.tolist()):
+            assert 0 <= key < nodes * -(-512 // block_tokens)
+            t = ((j + 1) * block_tokens - 1) // 512
+            prefix = (tuple(row[: t + 1]), j)
+            assert named.setdefault(key, prefix) == prefix and key_of.setdefault(prefix, key) == key
 
 
 def test_trace_keys_are_private_from_the_first_trace_block_no_other_request_holds():
@@ -47,8 +67,8 @@ def test_trace_keys_are_private_from_the_first_trace_block_no_other_request_hold
     assert keys.private_from(2, 2000, 16) == 0  # c shares nothing
     assert keys.private_from(4, 2000, 16) == 0 == len(keys.keys(4, 2000, 16))
     for r in range(5):  # the first private key, and every one after it, is in no other request
-        mine = keys.keys(r, 2000, 16)
-        others = {k for o in range(5) if o != r for k in keys.keys(o, 2000, 16)}
+        mine = keys.keys(r, 2000, 16).tolist()
+        others = {k for o in range(5) if o != r for k in keys.keys(o, 2000, 16).tolist()}
         first = keys.private_from(r, 2000, 16)
         assert not others & set(mine[first:]) and (first == 0 or mine[first - 1] in others)
 

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from functools import partial
-from itertools import compress, islice, repeat, takewhile
-from operator import add, is_not, not_
+from itertools import compress, islice, repeat
+from operator import add, not_
 
 import numpy as np
 
+from pagedweight.core.key_map import BlockKeyMap
 from pagedweight.core.pool import OWNER_KV, OWNER_KV_CACHED, PagePool
 from pagedweight.core.reuse import MIN_GHOST_BLOCKS, GhostList
 from pagedweight.errors import PoolError, PoolExhausted
-
-_IS_BLOCK = partial(is_not, None)  # a cached key's block, not a miss (dict.get's None)
 
 
 class _Run:
@@ -94,9 +92,10 @@ class KvBlockAllocator:
         self.reserve_pages = 0
         # Prefix cache: content key <-> block, requests holding each cached block, and the
         # cached blocks nobody holds, least recently used first. A block's key is in arrays
-        # indexed by block id (``_keyed``: whether it has one), read and written for a whole
-        # list of blocks in one numpy call where a dict took a step per block.
-        self._block_of_key: dict[int, int] = {}
+        # indexed by block id (``_keyed``: whether it has one), and a key's block in a
+        # ``BlockKeyMap``, each read and written for a whole list of blocks in one numpy call
+        # where a dict took a step per block.
+        self._block_of_key = BlockKeyMap()
         num_blocks = pool.num_pages * self.blocks_per_page
         self._key_of = np.zeros(num_blocks, dtype=np.int64)
         self._keyed = np.zeros(num_blocks, dtype=bool)
@@ -364,34 +363,25 @@ class KvBlockAllocator:
 
     def cache_blocks(self, blocks: Sequence[int], keys: Sequence[int]) -> None:
         """``cache_block`` for each pair, in one call (a request's newly computed blocks)."""
-        by_key = self._block_of_key
         if len(blocks) != len(keys):
             raise PoolError(f"{len(blocks)} blocks for {len(keys)} keys")
-        if not blocks:
+        if not len(blocks):
             return
-        # Usually none is cached yet: one bulk update (a long prompt has ~1,000 blocks) and two
-        # array writes. A key listed twice shows in the count, and taking the keys out again
-        # undoes the update (none was there before), cheaper than a set of them first.
+        # Usually none is cached yet: one bulk registration (a long prompt has ~1,000 blocks)
+        # and two array writes.
         at = np.asarray(blocks, dtype=np.int64)
-        if by_key.keys().isdisjoint(keys) and not self._keyed[at].any():
-            before = len(by_key)
-            by_key.update(zip(keys, blocks, strict=True))
-            if len(by_key) == before + len(keys):
-                self._key_of[at] = keys
-                self._keyed[at] = True
-                return
-            deque(map(by_key.pop, keys, repeat(None)), maxlen=0)
+        if not self._keyed[at].any() and self._block_of_key.add_absent(keys, blocks):
+            self._key_of[at] = keys
+            self._keyed[at] = True
+            return
         for block, key in zip(blocks, keys, strict=True):
             self.cache_block(block, key)
 
     def _cached_run(self, keys: Sequence[int], limit: int) -> list[int]:
         """The cached blocks of the leading ``keys`` (at most ``limit``), up to the first key not
-        cached: looked up in C (``takewhile`` over ``map``), not a Python step per block (a
+        cached: looked up in one call (``BlockKeyMap.leading``), not a Python step per block (a
         multi-turn prompt hits hundreds)."""
-        cached = self._block_of_key
-        if limit <= 0 or keys[0] not in cached:  # most lookups miss at once: no slice, no map
-            return []
-        return list(takewhile(_IS_BLOCK, map(cached.get, islice(keys, limit))))
+        return self._block_of_key.leading(keys, limit)
 
     def lookup(self, keys: Sequence[int], limit: int) -> tuple[int, int]:
         """How many of the leading ``keys`` (at most ``limit``) are cached, and how many of those
@@ -754,24 +744,26 @@ class KvBlockAllocator:
             return None
         self._keyed[block] = False
         key = int(self._key_of[block])
-        del self._block_of_key[key]
+        self._block_of_key.pop(key)
         return key
 
     def _forget_keys(self, blocks: list[int]) -> list[int | None]:
-        """``_forget_key`` for each of ``blocks``: a few one by one, more in numpy calls and a C
-        loop over the dict (``map``), not a Python step per block; their keys in order."""
+        """``_forget_key`` for each of ``blocks``: a few one by one, more in numpy calls and one
+        ``BlockKeyMap`` call, not a Python step per block. Returns their keys in order for the
+        ghost list (an empty list when none is kept: nothing else reads them)."""
         if len(blocks) <= 8:
             return [self._forget_key(b) for b in blocks]
         at = np.asarray(blocks, dtype=np.int64)
         keyed = self._keyed[at]
-        keys: list[int | None] = self._key_of[at].tolist()
+        keys = self._key_of[at]
         self._keyed[at] = False
-        if not keyed.all():
-            keys = [k if f else None for k, f in zip(keys, keyed.tolist(), strict=True)]
-            deque(map(self._block_of_key.__delitem__, [k for k in keys if k is not None]), 0)
-        else:
-            deque(map(self._block_of_key.__delitem__, keys), 0)
-        return keys
+        if keyed.all():
+            self._block_of_key.remove(keys)
+            return keys.tolist() if self.ghosts is not None else []
+        self._block_of_key.remove(keys[keyed])
+        if self.ghosts is None:
+            return []
+        return [k if f else None for k, f in zip(keys.tolist(), keyed.tolist(), strict=True)]
 
     def _reclaim_pages(self, num_pages: int) -> None:
         """Free up to ``num_pages`` whole ``OWNER_KV_CACHED`` pages for another claimant, the

@@ -18,7 +18,9 @@ Two sources, one kind of key (``KvBlockAllocator`` only compares them):
   every earlier block even if a trace's ids were not chained themselves. A KV block that
   straddles two trace blocks is keyed by the later one, which also covers the earlier. Only KV
   blocks that lie wholly within the prompt and within the trace's ids get a key; the rest of a
-  prompt is never shared.
+  prompt is never shared. The pair (chain t, j) is numbered densely from 0 (chain number x
+  KV blocks per trace block + j's place among the KV blocks ending in trace block t), so that
+  the allocator keeps trace keys in an array indexed by key (``pagedweight.core.key_map``).
 - A trace without ``hash_ids`` says nothing about shared prefixes, so requests share nothing:
   each request's blocks get keys of their own (``own_block_keys``), negative so that they never
   equal a trace key. They matter only to the request itself: preempted by recompute, it finds
@@ -73,16 +75,22 @@ class TraceBlockKeys:
         chains = [c for c in self._chains if len(c)]
         self._holders = np.bincount(np.concatenate(chains), minlength=len(interned)) if chains else np.zeros(0, int)
 
-    def keys(self, request: int, prompt_tokens: int, kv_block_tokens: int) -> list[int]:
-        """Keys of request ``request``'s full KV blocks, as far as its trace blocks reach."""
+    def keys(self, request: int, prompt_tokens: int, kv_block_tokens: int) -> np.ndarray:
+        """Keys of request ``request``'s full KV blocks, as far as its trace blocks reach: an
+        int64 array of small non-negative numbers."""
         chain = self._chains[request]
         covered = min(prompt_tokens, len(chain) * self.trace_block_tokens)
         n = covered // kv_block_tokens
         if n == 0:
-            return []
+            return np.zeros(0, dtype=np.int64)
+        # Numbered densely: chain node c's KV blocks are j0(t) .. j0(t) + per_node - 1 with
+        # j0(t) = t * 512 // B, key c * per_node + (j - j0(t)); a node stands at one depth t, so
+        # keys are distinct, and they stay small (the allocator keeps them in an array).
+        trace_tokens = self.trace_block_tokens
+        per_node = -(-trace_tokens // kv_block_tokens)
         j = np.arange(n, dtype=np.int64)
-        t = ((j + 1) * kv_block_tokens - 1) // self.trace_block_tokens
-        return ((chain[t] << _INDEX_BITS) | j).tolist()
+        t = ((j + 1) * kv_block_tokens - 1) // trace_tokens
+        return chain[t] * per_node + (j - t * trace_tokens // kv_block_tokens)
 
     def private_from(self, request: int, prompt_tokens: int, kv_block_tokens: int) -> int:
         """The first of ``keys(...)`` that no other request of the trace has (their number if

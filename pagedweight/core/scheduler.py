@@ -322,7 +322,7 @@ class Scheduler:
                 self.swap_out_hook(req)
             req.swapped_tokens = req.num_computed_tokens
             batch.swapped_out_tokens += req.num_computed_tokens
-        if req.private_from is not None and not req.num_preemptions and req.block_hashes:
+        if req.private_from is not None and not req.num_preemptions and len(req.block_hashes):
             self._cache_private_blocks(req)  # what it computed, for its own recompute
         self.kv.free(req.block_ids)
         req.block_ids = []
@@ -424,7 +424,7 @@ class Scheduler:
             # A swapped-out request resumes where it stopped once its KV is copied back.
             resume_at = req.swapped_tokens
             hit = 0
-            if self.prefix_caching and req.block_hashes and not resume_at:
+            if self.prefix_caching and req.block_hashes is not None and len(req.block_hashes) and not resume_at:
                 hit = self._acquire_prefix(req, budget)
                 if hit < 0:
                     break  # does not fit even with its cached prefix
@@ -538,7 +538,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.state is WAITING:
             self.waiting.remove(req)
-        if req.private_from is not None and not req.num_preemptions and req.block_hashes:
+        if req.private_from is not None and not req.num_preemptions and len(req.block_hashes):
             computed = min(len(req.block_hashes), req.num_computed_tokens // self.kv.block_tokens)
             shared = min(req.private_from, computed)
             self.kv.retire(req.block_ids, computed, shared)
