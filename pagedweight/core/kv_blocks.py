@@ -279,11 +279,12 @@ class KvBlockAllocator:
             self.release(cached)
         self._free_unkeyed(private)
 
-    def _split_cached(self, block_ids: list[int]) -> tuple[list[int], list[int]]:
-        """``block_ids`` as (cached blocks, the others), each in order."""
+    def _split_cached(self, block_ids: list[int], at: np.ndarray | None = None) -> tuple[list[int], list[int]]:
+        """``block_ids`` as (cached blocks, the others), each in order (``at``: the same as an
+        int64 array, when the caller has it)."""
         if not self._block_of_key or not block_ids:
             return [], block_ids
-        is_cached = self._keyed[np.asarray(block_ids, dtype=np.int64)].tolist()
+        is_cached = self._keyed[np.asarray(block_ids, dtype=np.int64) if at is None else at].tolist()
         cached = list(compress(block_ids, is_cached))
         if len(cached) == len(block_ids):
             return cached, []
@@ -298,27 +299,33 @@ class KvBlockAllocator:
         back (cached ones released, the others freed); the rest are freed after those, in the
         order ``free`` frees them."""
         head = block_ids[:num_shared] if num_shared > 0 else []
+        # One conversion for the pool's calls below (a long prompt's list costs ~50 us each).
+        at = np.asarray(block_ids, dtype=np.int64)
         if num_dead > num_shared:
             # ``release`` makes a request's last block idle first: the private ones, which
             # come after its shared ones, are older in the LRU order than the shared ones.
-            idle = block_ids[num_dead - 1 : num_shared - 1 if num_shared > 0 else None : -1]
+            stop = num_shared - 1 if num_shared > 0 else None
+            idle = block_ids[num_dead - 1 : stop : -1]
             if self.blocks_per_page == 1:
                 self._evictable[_Run(idle)] = None
                 self._num_runs += 1
                 self._num_evictable += len(idle)
                 self.num_used_blocks -= len(idle)
-                self.pool.transfer_list(idle, OWNER_KV, OWNER_KV_CACHED)
+                self.pool.transfer(at[num_shared:num_dead], OWNER_KV, OWNER_KV_CACHED)
             else:
                 self._make_idle(idle)
-        rest = block_ids[max(num_dead, num_shared) :]
+        first_rest = max(num_dead, num_shared)
         if head:
-            cached, private = self._split_cached(head)
+            cached, private = self._split_cached(head, at[:num_shared])
             if cached:
                 self.release(cached)
-            rest = private + rest if private else rest
-        self._free_unkeyed(rest)
+            if private:
+                self._free_unkeyed(private + block_ids[first_rest:])
+                return
+        # With several blocks a page, freed blocks go back to per-page lists: Python ints.
+        self._free_unkeyed(at[first_rest:] if self.blocks_per_page == 1 else block_ids[first_rest:])
 
-    def _free_unkeyed(self, block_ids: list[int]) -> None:
+    def _free_unkeyed(self, block_ids: list[int] | np.ndarray) -> None:
         bpp = self.blocks_per_page
         if bpp == 1:
             pages = np.asarray(block_ids, dtype=np.int64)
@@ -370,7 +377,7 @@ class KvBlockAllocator:
         # Usually none is cached yet: one bulk registration (a long prompt has ~1,000 blocks)
         # and two array writes.
         at = np.asarray(blocks, dtype=np.int64)
-        if not self._keyed[at].any() and self._block_of_key.add_absent(keys, blocks):
+        if not self._keyed[at].any() and self._block_of_key.add_absent(keys, at):
             self._key_of[at] = keys
             self._keyed[at] = True
             return
@@ -653,24 +660,31 @@ class KvBlockAllocator:
         """Evict the blocks of ``pieces``, just taken out of the evictable set (``_take_lru``'s
         form), and hand them out in place, in order."""
         ghosts = self.ghosts
-        out: list[int] = []
+        out = pieces[0][1] if len(pieces) == 1 else [b for _, blocks in pieces for b in blocks]
+        # One conversion for the key arrays and the pool (a list of hundreds costs ~50 us).
+        at = np.asarray(out, dtype=np.int64) if len(out) > 8 else None
+        start = 0
         for unkeyed, blocks in pieces:
-            out.extend(blocks)
+            end = start + len(blocks)
             if unkeyed:  # retired blocks: no key, each a ghost slot no lookup can hit (see _forget)
                 if ghosts is not None:
                     ghosts.newer_anonymous += len(blocks)
             else:
-                keys = self._forget_keys(blocks)
+                keys = self._forget_keys(blocks, None if at is None else at[start:end])
                 if ghosts is not None:  # they become ghosts (core/reuse.py), in eviction order
                     anonymous = keys.count(None)
                     ghosts.newer_anonymous += anonymous
                     ghosts.newer.update(dict.fromkeys([k for k in keys if k is not None] if anonymous else keys))
+            start = end
         if ghosts is not None and len(ghosts.newer) + ghosts.newer_anonymous >= ghosts.capacity:
             ghosts.age()
         num_blocks = len(out)
         self.num_evicted_blocks += num_blocks
         self.num_used_blocks += num_blocks
-        self._held_again(out)
+        if at is not None and self.blocks_per_page == 1:  # page = block (see _held_again)
+            self.pool.transfer(at, OWNER_KV_CACHED, OWNER_KV)
+        else:
+            self._held_again(out)
         return out
 
     def _unidle_runs(self, idle: list[int]) -> None:
@@ -747,13 +761,15 @@ class KvBlockAllocator:
         self._block_of_key.pop(key)
         return key
 
-    def _forget_keys(self, blocks: list[int]) -> list[int | None]:
+    def _forget_keys(self, blocks: list[int], at: np.ndarray | None = None) -> list[int | None]:
         """``_forget_key`` for each of ``blocks``: a few one by one, more in numpy calls and one
-        ``BlockKeyMap`` call, not a Python step per block. Returns their keys in order for the
+        ``BlockKeyMap`` call, not a Python step per block (``at``: the blocks as an int64 array,
+        when the caller has it). Returns their keys in order for the
         ghost list (an empty list when none is kept: nothing else reads them)."""
         if len(blocks) <= 8:
             return [self._forget_key(b) for b in blocks]
-        at = np.asarray(blocks, dtype=np.int64)
+        if at is None:
+            at = np.asarray(blocks, dtype=np.int64)
         keyed = self._keyed[at]
         keys = self._key_of[at]
         self._keyed[at] = False
