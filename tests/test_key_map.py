@@ -1,5 +1,6 @@
 """The prefix cache's key -> block map against a plain dict: keys small (the array), negative,
-past the array's reach and past int64 (the dict), in lists and int64 arrays, mixed in one call."""
+past the array's reach and past int64 (the dict), in lists and int64 arrays, mixed in one call;
+the allocator's calls (which also keep its block -> key arrays) compiled and in numpy alike."""
 
 import numpy as np
 import pytest
@@ -20,19 +21,38 @@ def _cut(keys: list[int], model: dict[int, int], limit: int) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @settings(max_examples=300, deadline=None)
 @given(
     ops=st.lists(
         st.tuples(
-            st.sampled_from(["add", "add_array", "remove", "remove_array", "pop", "set", "leading", "leading_array"]),
+            st.sampled_from(
+                [
+                    "add",
+                    "add_array",
+                    "remove",
+                    "remove_array",
+                    "forget",
+                    "pop",
+                    "set",
+                    "leading",
+                    "leading_array",
+                    "register",
+                    "forget_blocks",
+                ]
+            ),
             st.lists(KEYS, min_size=1, max_size=6),
             st.integers(-1, 7),
         ),
         max_size=30,
     )
 )
-def test_the_map_answers_as_a_dict_would(ops):
-    m, model, next_block = BlockKeyMap(), {}, 0
+def test_the_map_answers_as_a_dict_would(compiled, ops):
+    m, model, next_block = BlockKeyMap(compiled=compiled), {}, 0
+    # The allocator's record of the blocks registered through ``register_blocks``: their keys
+    # leave only through ``forget_blocks``, as in the allocator.
+    keyed, key_of = np.zeros(1000, dtype=bool), np.zeros(1000, dtype=np.int64)
+    via_blocks: set[int] = set()
     for op, keys, limit in ops:
         fits = all(-(1 << 63) <= k < (1 << 63) for k in keys)
         as_array = op.endswith("_array") and fits
@@ -48,12 +68,42 @@ def test_the_map_answers_as_a_dict_would(ops):
             else:  # refusing is allowed (the caller goes one by one), changing anything is not
                 assert not can or not fits or len({0 <= k < DENSE_KEYS for k in keys}) == 2
         elif op.startswith("remove"):
-            present = [k for k in dict.fromkeys(keys) if k in model]
+            present = [k for k in dict.fromkeys(keys) if k in model and k not in via_blocks]
             if present and (op == "remove" or all(-(1 << 63) <= k < (1 << 63) for k in present)):
                 m.remove(np.asarray(present, dtype=np.int64) if op.endswith("_array") else present)
                 for k in present:
                     del model[k]
+        elif op == "forget":  # keys known to be registered, as the allocator's own record gives them
+            present = [k for k in dict.fromkeys(keys) if k in model and k not in via_blocks and k < (1 << 63)]
+            m.forget(np.asarray(present, dtype=np.int64))
+            for k in present:
+                del model[k]
+        elif op == "register":
+            blocks = np.arange(next_block, next_block + len(keys), dtype=np.int64)
+            next_block += len(keys)
+            arg = np.asarray(keys, dtype=np.int64) if fits else keys
+            ok = m.register_blocks(arg, blocks, keyed, key_of)
+            can = len(set(keys)) == len(keys) and not set(keys) & set(model)
+            if ok:
+                assert can and fits
+                model.update(zip(keys, blocks.tolist(), strict=True))
+                via_blocks.update(keys)
+                assert keyed[blocks].all() and key_of[blocks].tolist() == keys
+            else:  # as ``add_absent``: a refusal changes nothing
+                assert not can or not fits or len({0 <= k < DENSE_KEYS for k in keys}) == 2
+                assert not keyed[blocks].any()
+        elif op == "forget_blocks":  # some blocks with keys, some without
+            blocks = np.flatnonzero(keyed)[::2]
+            blocks = np.concatenate([blocks, np.flatnonzero(~keyed)[:3]])
+            gone = key_of[blocks[keyed[blocks]]].tolist()
+            m.forget_blocks(blocks, keyed, key_of)
+            assert not keyed[blocks].any()
+            for k in gone:
+                del model[k]
+                via_blocks.discard(k)
         elif op == "pop":
+            if keys[0] in via_blocks:
+                continue
             if keys[0] in model:
                 assert m.pop(keys[0]) == model.pop(keys[0])
             else:

@@ -157,19 +157,22 @@ def test_random_sharing_and_eviction_keep_every_invariant(num_pages, blocks_per_
     there were fewer already), and every free block counted can be allocated. With one block
     per page, the evictable blocks as keyed runs (the default there) go through the same states
     as a block each: the keys here are no chain, so hits take blocks out of their runs'
-    middles too."""
+    middles too. The key map's compiled passes go through the same states as its numpy form."""
     states = play_sharing(num_pages, blocks_per_page, ops)
     if blocks_per_page == 1:
         assert play_sharing(num_pages, blocks_per_page, ops, keyed_runs=False) == states
+    assert play_sharing(num_pages, blocks_per_page, ops, compiled=False) == states
 
 
-def play_sharing(num_pages, blocks_per_page, ops, keyed_runs=None):
+def play_sharing(num_pages, blocks_per_page, ops, keyed_runs=None, compiled=None):
     """The ops of the test above, every invariant checked after each; returns the allocator's
     state after each (LRU order, keys, pool owners, counts)."""
     pool = PagePool(num_pages * PAGE, PAGE)
     kv = KvBlockAllocator(pool, 1, PAGE // blocks_per_page)
     if keyed_runs is not None:
         kv.keyed_runs = keyed_runs
+    if compiled is not None:
+        kv._block_of_key.compiled = compiled
     states = []
     holders: list[list[int]] = []
     weights: list[np.ndarray] = []
@@ -517,8 +520,11 @@ def test_the_downgrade_reserve_holds_back_cached_pages_too():
 
 
 @settings(max_examples=40, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["retire", "release"]), st.integers(1, 6)), min_size=1, max_size=12))
-def test_one_block_reuse_is_the_general_eviction(ops):
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["retire", "release"]), st.integers(1, 6)), min_size=1, max_size=12),
+    compiled=st.booleans(),
+)
+def test_one_block_reuse_is_the_general_eviction(ops, compiled):
     """``KvBlockAllocator._reuse_one`` (a decode's one new block once memory is full) against
     ``_evict_for_reuse(1)`` on a twin allocator: the same block, and the same evictable set,
     ghosts and counts after each, through retired runs and keyed blocks in any order."""
@@ -526,13 +532,14 @@ def test_one_block_reuse_is_the_general_eviction(ops):
 
     _, kv, _ = make(64, block_tokens=4, blocks_per_page=1)
     kv.track_reuse(capacity_blocks=5)  # small: the ghost list ages along the way
+    kv._block_of_key.compiled = compiled
     key = 0
     for kind, n in ops:
         blocks = kv.allocate(n)
         if kind == "retire":
             kv.retire(blocks, n)
         else:
-            kv.cache_blocks(blocks, list(range(key, key + n)))
+            kv.cache_blocks(blocks, np.arange(key, key + n))  # a trace's keys: an int64 array
             key += n
             kv.release(blocks)
     twin = copy.deepcopy(kv)
@@ -652,22 +659,75 @@ def test_simulated_private_tails_change_no_result(policy, sets, monkeypatch):
     }
 
 
+@pytest.mark.parametrize("form", ["list", "array", "array in numpy"])  # the trace's keys: an int64 array
 @pytest.mark.parametrize("keyed_block", [1, 5])  # a block of the call keyed already, or none
 @pytest.mark.parametrize("keys", [[10, 11, 12, 13], [10, 11, 10, 13], [10, 5, 12, 13], [10, 11, 12, 12]])
-def test_registering_many_blocks_is_registering_each(keys, keyed_block):
+def test_registering_many_blocks_is_registering_each(keys, keyed_block, form):
     """``cache_blocks`` (the bulk path, and its way back when a key repeats) leaves the maps
     ``cache_block`` pair by pair would: a key already cached or listed twice, and a block
-    already keyed, stay out."""
+    already keyed, stay out; with keys in a list or an array, compiled or in numpy."""
     _, bulk, _ = make(8, blocks_per_page=1)
     _, each, _ = make(8, blocks_per_page=1)
+    bulk._block_of_key.compiled = form != "array in numpy"
     for kv in (bulk, each):
         held = kv.allocate(6)
         assert kv.cache_block(held[4], 5)  # a key cached already
         assert kv.cache_block(held[keyed_block], 99)
     blocks = held[:4]
-    bulk.cache_blocks(blocks, keys)
+    bulk.cache_blocks(blocks, keys if form == "list" else np.asarray(keys, dtype=np.int64))
     for b, k in zip(blocks, keys, strict=True):
         each.cache_block(b, k)
     assert bulk._block_of_key.as_dict() == each._block_of_key.as_dict()
     assert [bulk.key_of(b) for b in range(8)] == [each.key_of(b) for b in range(8)]
     bulk.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["trace keys", "token keys", "retire", "take", "reclaim"]), st.integers(1, 24)),
+        min_size=1,
+        max_size=14,
+    ),
+    ghosts=st.booleans(),
+)
+def test_evictions_of_many_blocks_compiled_and_in_numpy(ops, ghosts):
+    """Evicting many cached blocks at once (a prefill's allocation, a weight's reclaim) forgets
+    their keys in one pass of the key map (compiled where numba is installed) or in numpy calls:
+    twin allocators go through the same states, with trace keys (the array) and token keys (the
+    dict) alike, and the ghost list (which reads the keys) kept or not."""
+    twins = []
+    for compiled in (True, False):
+        _, kv, _ = make(64, blocks_per_page=1)
+        kv._block_of_key.compiled = compiled
+        if ghosts:
+            kv.track_reuse(capacity_blocks=16)
+        twins.append(kv)
+    key = 0
+    for kind, n in ops:
+        states = []
+        for kv in twins:
+            n_now = min(n, kv.num_free_blocks)
+            if kind == "reclaim":
+                kv._reclaim_pages(n)
+            elif n_now and kind == "take":
+                kv.allocate(n_now)  # held for good: the evictions are what matters
+            elif n_now:
+                blocks = kv.allocate(n_now)
+                if kind == "retire":
+                    kv.retire(blocks, n_now)
+                else:
+                    keys = (
+                        np.arange(key, key + n_now)
+                        if kind == "trace keys"
+                        else [-(1 << 40) - key - i for i in range(n_now)]
+                    )
+                    kv.cache_blocks(blocks, keys)
+                    kv.release(blocks)
+            kv.check()
+            states.append(
+                (kv.evictable_blocks(), kv._block_of_key.as_dict(), kv._keyed.tolist(), kv.num_evicted_blocks,
+                 kv.pool.counts(), None if kv.ghosts is None else (list(kv.ghosts.newer), len(kv.ghosts)))
+            )  # fmt: skip
+        assert states[0] == states[1]
+        key += n

@@ -377,9 +377,7 @@ class KvBlockAllocator:
         # Usually none is cached yet: one bulk registration (a long prompt has ~1,000 blocks)
         # and two array writes.
         at = np.asarray(blocks, dtype=np.int64)
-        if not self._keyed[at].any() and self._block_of_key.add_absent(keys, at):
-            self._key_of[at] = keys
-            self._keyed[at] = True
+        if self._block_of_key.register_blocks(keys, at, self._keyed, self._key_of):
             return
         for block, key in zip(blocks, keys, strict=True):
             self.cache_block(block, key)
@@ -764,21 +762,22 @@ class KvBlockAllocator:
     def _forget_keys(self, blocks: list[int], at: np.ndarray | None = None) -> list[int | None]:
         """``_forget_key`` for each of ``blocks``: a few one by one, more in numpy calls and one
         ``BlockKeyMap`` call, not a Python step per block (``at``: the blocks as an int64 array,
-        when the caller has it). Returns their keys in order for the
-        ghost list (an empty list when none is kept: nothing else reads them)."""
+        when the caller has it). Returns their keys in order for the ghost list (an empty list
+        when none is kept: nothing else reads them)."""
         if len(blocks) <= 8:
             return [self._forget_key(b) for b in blocks]
         if at is None:
             at = np.asarray(blocks, dtype=np.int64)
+        if self.ghosts is None:  # nobody reads the keys: one pass (BlockKeyMap.forget_blocks)
+            self._block_of_key.forget_blocks(at, self._keyed, self._key_of)
+            return []
         keyed = self._keyed[at]
         keys = self._key_of[at]
         self._keyed[at] = False
         if keyed.all():
-            self._block_of_key.remove(keys)
-            return keys.tolist() if self.ghosts is not None else []
-        self._block_of_key.remove(keys[keyed])
-        if self.ghosts is None:
-            return []
+            self._block_of_key.forget(keys)
+            return keys.tolist()
+        self._block_of_key.forget(keys[keyed])
         return [k if f else None for k, f in zip(keys.tolist(), keyed.tolist(), strict=True)]
 
     def _reclaim_pages(self, num_pages: int) -> None:
@@ -814,14 +813,18 @@ class KvBlockAllocator:
         if num_blocks <= 0:
             return
         ghosts = self.ghosts
-        freed: list[int] = []
-        for unkeyed, blocks in self._take_lru(num_blocks):
-            freed.extend(blocks)
+        pieces = self._take_lru(num_blocks)
+        freed = pieces[0][1] if len(pieces) == 1 else [b for _, blocks in pieces for b in blocks]
+        at = np.asarray(freed, dtype=np.int64)  # one conversion for the key arrays and the pool
+        start = 0
+        for unkeyed, blocks in pieces:
+            end = start + len(blocks)
+            piece_at, start = at[start:end], end
             if unkeyed:
                 if ghosts is not None:
                     ghosts.add_anonymous(len(blocks))
                 continue
-            keys = self._forget_keys(blocks)
+            keys = self._forget_keys(blocks, piece_at)
             if ghosts is not None:  # one at a time: the list ages exactly where it fills
                 for key in keys:
                     if key is None:
@@ -829,8 +832,8 @@ class KvBlockAllocator:
                     else:
                         ghosts.add(key)
         self.num_evicted_blocks += num_blocks
-        self._used_in_page[freed] = 0
-        self.pool.free(freed, OWNER_KV_CACHED)
+        self._used_in_page[at] = 0
+        self.pool.free(at, OWNER_KV_CACHED)
 
     def check(self) -> None:
         """Invariants: used + free slots = blocks of the KV pages; every KV page has a use; a
