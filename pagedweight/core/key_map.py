@@ -108,8 +108,9 @@ class BlockKeyMap:
         self._dense = np.full(0, _NONE, dtype=np.int32)
         self._num_dense = 0
         self._sparse: dict[int, int] = {}
-        # The compiled passes where numba is installed (None); tests compare both forms.
-        self.compiled = _loops() is not None if compiled is None else compiled
+        # The compiled passes where numba is installed (None: numba is imported at the first
+        # bulk call, not here); False: the numpy form (tests compare both).
+        self.compiled = compiled
 
     def __len__(self) -> int:
         return self._num_dense + len(self._sparse)
@@ -225,8 +226,9 @@ class BlockKeyMap:
         """``add_absent`` for ``blocks`` (an int64 array) that have no key yet (``keyed``, the
         allocator's flags), recording each block's key in ``key_of`` and its flag too; False,
         and nothing changed, where ``add_absent`` would refuse or a block has a key."""
-        if self.compiled and type(keys) is np.ndarray and keys.dtype == np.int64:
-            register = _loops()[0]
+        loops = _loops() if self.compiled is not False and type(keys) is np.ndarray else None
+        if loops is not None and keys.dtype == np.int64:
+            register = loops[0]
             status = register(keys, blocks, self._dense, keyed, key_of)
             if status == 2 and len(keys) and _all_dense(keys):  # past the array: grow, once
                 self._grow(int(keys.max()))
@@ -244,8 +246,9 @@ class BlockKeyMap:
     def forget_blocks(self, blocks: np.ndarray, keyed: np.ndarray, key_of: np.ndarray) -> None:
         """Forget the keys of those of ``blocks`` (an int64 array) that have one (``keyed``,
         the allocator's flags, cleared here; ``key_of``: their keys)."""
-        if self.compiled and not self._sparse:  # every registered key is in the array
-            self._num_dense -= _loops()[1](blocks, self._dense, keyed, key_of)
+        loops = _loops() if self.compiled is not False and not self._sparse else None
+        if loops is not None:  # every registered key is in the array
+            self._num_dense -= loops[1](blocks, self._dense, keyed, key_of)
             return
         has = keyed[blocks]
         keys = key_of[blocks]
