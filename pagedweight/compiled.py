@@ -1,7 +1,7 @@
 """numba, for the few per-element loops that numpy cannot express in whole-array passes (the
-routing sampler's, the roofline's, the CSV writer's). Imported on first use, so that commands
-which never reach such a loop do not pay its import (~0.4 s); every loop keeps a plain-Python
-or numpy form that runs where numba is not installed."""
+routing sampler's, the roofline's, the CSV writer's, the prefix cache's key map's). Imported on
+first use, so that commands which never reach such a loop do not pay its import (~0.4 s); every
+loop keeps a plain-Python or numpy form that runs where numba is not installed."""
 
 from __future__ import annotations
 
