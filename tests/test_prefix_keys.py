@@ -89,6 +89,10 @@ def test_mooncake_hash_ids_are_read_and_follow_windows(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     with pytest.raises(Exception, match=r"t.jsonl:2: column 'hash_ids'"):
         load_mooncake(path)
+    rows[1]["hash_ids"] = [1, 1 << 63]  # past int64: the same one line, not an overflow
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(Exception, match=r"t.jsonl:2: column 'hash_ids'.*within 64 bits"):
+        load_mooncake(path)
 
 
 def test_multi_turn_turns_share_their_conversation_prefix():

@@ -768,17 +768,12 @@ class KvBlockAllocator:
             return [self._forget_key(b) for b in blocks]
         if at is None:
             at = np.asarray(blocks, dtype=np.int64)
-        if self.ghosts is None:  # nobody reads the keys: one pass (BlockKeyMap.forget_blocks)
+        if self.ghosts is None:  # nobody reads the keys
             self._block_of_key.forget_blocks(at, self._keyed, self._key_of)
             return []
-        keyed = self._keyed[at]
-        keys = self._key_of[at]
-        self._keyed[at] = False
-        if keyed.all():
-            self._block_of_key.forget(keys)
-            return keys.tolist()
-        self._block_of_key.forget(keys[keyed])
-        return [k if f else None for k, f in zip(keys.tolist(), keyed.tolist(), strict=True)]
+        keyed, keys = self._keyed[at].tolist(), self._key_of[at].tolist()
+        self._block_of_key.forget_blocks(at, self._keyed, self._key_of)
+        return keys if all(keyed) else [k if f else None for k, f in zip(keys, keyed, strict=True)]
 
     def _reclaim_pages(self, num_pages: int) -> None:
         """Free up to ``num_pages`` whole ``OWNER_KV_CACHED`` pages for another claimant, the

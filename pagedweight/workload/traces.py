@@ -263,11 +263,13 @@ def load_mooncake(path: str | Path, time_unit: str = "ms", sort: bool = False) -
 
 def _hash_ids(t: _Table) -> np.ndarray:
     """The ``hash_ids`` column as an object array of int64 arrays; a row without a list of whole
-    numbers is an error naming its line."""
+    numbers within 64 bits is an error naming its line."""
     out = np.empty(len(t.df), dtype=object)
     for row, ids in enumerate(t.df["hash_ids"].tolist()):
-        if not isinstance(ids, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
-            raise t.fail(row, "hash_ids", "expected a list of whole numbers (one id per 512-token block)")
+        if not isinstance(ids, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < (1 << 63) for v in ids
+        ):
+            raise t.fail(row, "hash_ids", "expected a list of whole numbers within 64 bits, one per 512-token block")
         out[row] = np.asarray(ids, dtype=np.int64)
     return out
 
