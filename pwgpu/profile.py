@@ -164,6 +164,14 @@ FLUSH_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}
 WARM_ON_CPU = frozenset({"dequantize", "h2d_copy"})
 # Ops timed right after an untimed run of themselves (and no flush): a steady state of repeats.
 PRIMED = frozenset({"decode_step"})
+# Whole decode steps are timed in one group of rounds over every batch size and context while
+# their KV caches together stay within this many bytes (then a new group starts): pwsim reads
+# these rows for how a step grows with its batch, and batch sizes timed in separate groups carried
+# the machine's drift between the groups. Drained per batch size, the batch-16 over batch-8 step
+# at 340 tokens of context (scenarios/cpu_validate.yaml) read 0.83-1.80 across the 100 profiles of
+# ten validations on the 2-core VM; one group halved its spread from profile to profile
+# (benchmarks/RESULTS.md, 2026-12-03).
+DECODE_STEP_GROUP_BYTES = 1 << 30
 _flush_buffers: dict[torch.device, torch.Tensor] = {}
 
 
@@ -465,10 +473,17 @@ class Profiler:
             spec.top_k,
         )
         model, block_tokens = MoeTransformer(arch, pinned, experts, self.device), 16
+        kv_token_bytes = spec.num_layers * 2 * spec.num_kv_heads * d * torch.tensor([], dtype=self.dtype).element_size()
+        held_bytes = 0  # KV of the steps recorded since the last drain
         for b in self.grid.attn_decode_batch:
             input_ids = torch.randint(0, spec.vocab_size, (b,), generator=self.gen, device=self.device)
             for kv_len in self.grid.attn_decode_kv:
                 per_seq = -(-kv_len // block_tokens)
+                step_bytes = b * per_seq * block_tokens * kv_token_bytes
+                if held_bytes and held_bytes + step_bytes > DECODE_STEP_GROUP_BYTES:
+                    self.drain()  # these steps' KV caches go
+                    held_bytes = 0
+                held_bytes += step_bytes
                 kv = _kv_cache(
                     b * per_seq, spec.num_layers, spec.num_kv_heads, d, block_tokens, self.dtype, self.device
                 )
@@ -482,7 +497,6 @@ class Profiler:
 
                 step()  # every block written once before timing
                 self._record("decode_step", step, precision=self.precisions[0], batch=b, kv_len=kv_len)
-            self.drain()  # this batch's KV caches go
 
     def quantize(self) -> None:
         h, f = self.model.hidden_size, self.model.expert_ffn_size

@@ -312,3 +312,30 @@ def test_cpu_moe_rows_of_one_dense_dtype_are_one_timing():
     prof.drain()
     by = {p: [(r["m"], r["e"], r["latency_us_p50"]) for r in prof.rows if r["precision"] == p] for p in prof.precisions}
     assert by["bf16"] and by["int8"] == by["bf16"] and by["int4"] == by["bf16"]
+
+
+@pytest.mark.parametrize("group_bytes", [1 << 30, 1])
+def test_decode_steps_of_every_batch_size_are_timed_in_one_group(monkeypatch, group_bytes):
+    """Whole decode steps of every (batch, kv_len) wait for one drain, so that one group of
+    rounds times them all (pwsim reads how a step grows with its batch); only when their KV
+    caches together would pass ``DECODE_STEP_GROUP_BYTES`` does a new group start."""
+    import torch
+
+    import pwgpu.profile as profile_mod
+    from pwgpu.profile import GRIDS, Profiler
+
+    monkeypatch.setattr(profile_mod, "DECODE_STEP_GROUP_BYTES", group_bytes)
+    grid = GRIDS["small"]
+    prof = Profiler(load_model("tiny-moe"), grid, torch.device("cpu"), ("bf16",), torch.bfloat16)
+    groups: list[list[tuple[int, int]]] = []
+
+    def drain() -> None:  # what each drain would time, untimed
+        groups.append([(row["batch"], row["kv_len"]) for row, _ in prof._pending])
+        prof._pending = []
+
+    monkeypatch.setattr(prof, "drain", drain)
+    prof.decode_step()
+    drain()  # as profile() drains after each op group
+    points = [(b, kv) for b in grid.attn_decode_batch for kv in grid.attn_decode_kv]
+    assert [p for g in groups for p in g] == points
+    assert groups == ([points] if group_bytes > 1 else [[p] for p in points])
