@@ -169,8 +169,8 @@ PRIMED = frozenset({"decode_step"})
 # these rows for how a step grows with its batch, and batch sizes timed in separate groups carried
 # the machine's drift between the groups. Drained per batch size, the batch-16 over batch-8 step
 # at 340 tokens of context (scenarios/cpu_validate.yaml) read 0.83-1.80 across the 90 profiles of
-# ten validations on the 2-core VM; one group halved its spread from profile to profile
-# (benchmarks/RESULTS.md, 2026-12-03).
+# ten validations on the 2-core VM; one group cut its spread from profile to profile by about a
+# third (sd 0.18 -> 0.11 over 20 profiles; benchmarks/RESULTS.md, 2026-12-03).
 DECODE_STEP_GROUP_BYTES = 1 << 30
 _flush_buffers: dict[torch.device, torch.Tensor] = {}
 
