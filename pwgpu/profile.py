@@ -473,20 +473,18 @@ class Profiler:
             spec.top_k,
         )
         model, block_tokens = MoeTransformer(arch, pinned, experts, self.device), 16
-        kv_token_bytes = spec.num_layers * 2 * spec.num_kv_heads * d * torch.tensor([], dtype=self.dtype).element_size()
-        held_bytes = 0  # KV of the steps recorded since the last drain
+        held_bytes = 0  # KV arenas of the steps recorded since the last drain
         for b in self.grid.attn_decode_batch:
             input_ids = torch.randint(0, spec.vocab_size, (b,), generator=self.gen, device=self.device)
             for kv_len in self.grid.attn_decode_kv:
                 per_seq = -(-kv_len // block_tokens)
-                step_bytes = b * per_seq * block_tokens * kv_token_bytes
-                if held_bytes and held_bytes + step_bytes > DECODE_STEP_GROUP_BYTES:
-                    self.drain()  # these steps' KV caches go
-                    held_bytes = 0
-                held_bytes += step_bytes
                 kv = _kv_cache(
                     b * per_seq, spec.num_layers, spec.num_kv_heads, d, block_tokens, self.dtype, self.device
                 )
+                if held_bytes and held_bytes + kv.arena.numel() > DECODE_STEP_GROUP_BYTES:
+                    self.drain()  # the earlier steps' KV caches go
+                    held_bytes = 0
+                held_bytes += kv.arena.numel()  # a uint8 arena: its bytes
                 perm = torch.randperm(b * per_seq, generator=torch.Generator().manual_seed(0)).tolist()
                 seqs = [(perm[i * per_seq : (i + 1) * per_seq], kv_len - 1, 1) for i in range(b)]
                 batch, positions = build_batch(seqs, block_tokens, self.device)
