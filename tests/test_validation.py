@@ -89,6 +89,38 @@ def test_matched_step_times_compare_like_shapes():
     assert matched_step_times(real, steps([(2000, 0, 1.0)])) == pytest.approx((real["duration_s"].mean(), 1.0))
 
 
+def test_matched_step_times_count_the_slow_steps_and_take_the_typical_run():
+    """A class's slow steps are time the run spent: the matched step is the class's mean, not
+    its median. Pooled repeats give the median of the runs' own matched steps, so one run
+    slowed throughout (as the headline figures, the runs' medians, ignore it) moves nothing."""
+    import pandas as pd
+
+    from pagedweight.results.validation import matched_step_times
+
+    def steps(rows, run=None):
+        df = pd.DataFrame(
+            [dict(num_prefill_tokens=p, num_decodes=d, duration_s=t, num_downgrades=0, num_upgrades=0)
+             for p, d, t in rows]
+        )  # fmt: skip
+        return df if run is None else df.assign(run=run)
+
+    decode = [(0, 8, 0.010)] * 4 + [(0, 8, 0.050)]  # median 10 ms, mean 18 ms
+    prefill = [(300, 4, 0.080)] * 5
+    real = steps(decode + prefill)
+    sim = steps([(0, 8, 0.018)] * 3 + [(300, 4, 0.080)] * 3)
+    real_s, sim_s = matched_step_times(real, sim)
+    assert real_s == pytest.approx(0.049) and sim_s == pytest.approx(0.049)
+    # Three pooled runs; the third ran 3x slow. Each run's own matched step: 49, 54, 147 ms.
+    slow = [(p, d, 3 * t) for p, d, t in decode + prefill]
+    faster_decode = [(0, 8, 0.016)] * 4 + [(0, 8, 0.080)]  # mean 28.8 ms
+    pooled = pd.concat([steps(decode + prefill, 1), steps(faster_decode + prefill, 2), steps(slow, 3)])
+    real_s, _ = matched_step_times(pooled, sim)
+    assert real_s == pytest.approx((0.0288 + 0.080) / 2)
+    # A run without one of the classes is averaged over the classes it has.
+    pooled = pd.concat([steps(prefill, 1), steps(prefill, 2), steps(decode + prefill, 3)])
+    assert matched_step_times(pooled, sim)[0] == pytest.approx(0.080)
+
+
 def test_split_half_compares_balanced_halves_of_the_real_runs():
     from pagedweight.results.validation import split_half_perc
 
