@@ -112,8 +112,8 @@ def test_matched_step_times_count_the_slow_steps_and_take_the_typical_run():
     assert real_s == pytest.approx(0.049) and sim_s == pytest.approx(0.049)
     # Three pooled runs; the third ran 3x slow. Each run's own matched step: 49, 54, 147 ms.
     slow = [(p, d, 3 * t) for p, d, t in decode + prefill]
-    faster_decode = [(0, 8, 0.016)] * 4 + [(0, 8, 0.080)]  # mean 28.8 ms
-    pooled = pd.concat([steps(decode + prefill, 1), steps(faster_decode + prefill, 2), steps(slow, 3)])
+    slower_decode = [(0, 8, 0.016)] * 4 + [(0, 8, 0.080)]  # mean 28.8 ms
+    pooled = pd.concat([steps(decode + prefill, 1), steps(slower_decode + prefill, 2), steps(slow, 3)])
     real_s, _ = matched_step_times(pooled, sim)
     assert real_s == pytest.approx((0.0288 + 0.080) / 2)
     # A run without one of the classes is averaged over the classes it has.
