@@ -31,7 +31,7 @@ import numpy as np
 from pagedweight.config.latency import AnalyticLatencyConfig
 from pagedweight.core.spec import PRECISION_NAMES, PRECISIONS, GpuSpec, ModelSpec
 from pagedweight.core.step import StepShape
-from pwsim.roofline_kernels import expert_times
+from pwsim.roofline_kernels import expert_times, expert_times_into
 
 
 def roofline_s(num_bytes, flops, bw_bytes_per_s: float, flops_per_s: float):
@@ -41,7 +41,10 @@ def roofline_s(num_bytes, flops, bw_bytes_per_s: float, flops_per_s: float):
 class _PrecisionGrid:
     """What ``moe_s`` needs that depends only on the experts' precisions (L, E)."""
 
-    __slots__ = ("key", "shape", "dtype", "read_s", "s_per_token", "layer_class", "num_keys", "ones")
+    __slots__ = (
+        "key", "shape", "dtype", "read_s", "s_per_token", "layer_class", "num_keys", "ones",
+        "fill", "times", "times_row", "num_calls",
+    )  # fmt: skip
 
     def __init__(self, model: AnalyticLatencyModel, precision_ids: np.ndarray, key: bytes):
         self.key, self.shape, self.dtype = key, precision_ids.shape, precision_ids.dtype
@@ -51,6 +54,11 @@ class _PrecisionGrid:
         self.layer_class = (model._layer_base + precision_ids).reshape(1, -1)  # (layer, precision) key
         self.num_keys = model.model.num_moe_layers * model._num_precisions
         self.ones = np.ones(precision_ids.size)
+        # The per-expert pass and its outputs, used by one ``moe_s`` after another (each reads
+        # them before the next call).
+        self.fill = expert_times_into()
+        self.times, self.num_calls = np.empty((1, precision_ids.size)), np.empty(1, dtype=np.int64)
+        self.times_row = self.times[0]
 
 
 class AnalyticLatencyModel:
@@ -113,11 +121,12 @@ class AnalyticLatencyModel:
         # expert's weight-read time and time per token) is kept until the precision grid
         # changes; the per-expert pass is one compiled loop (pwsim.roofline_kernels).
         grid = self._grid_for(precision_ids)
-        times, num_calls = expert_times(
-            tokens_per_expert.reshape(1, -1), grid.s_per_token, grid.read_s, grid.layer_class, grid.num_keys
-        )
+        grid.fill(
+            tokens_per_expert.reshape(1, -1), grid.s_per_token, grid.read_s, grid.layer_class, grid.num_keys,
+            grid.times, grid.num_calls,
+        )  # fmt: skip
         # One launch per (layer, precision class) with active experts.
-        return float(np.dot(times[0], grid.ones)) + int(num_calls[0]) * self.cfg.kernel_launch_s
+        return float(np.dot(grid.times_row, grid.ones)) + grid.num_calls.item(0) * self.cfg.kernel_launch_s
 
     def moe_s_ranks(self, models: list[AnalyticLatencyModel], tokens: np.ndarray, precision_ids: list) -> list[float]:
         """``moe_s`` of every rank of an expert-parallel replica at once: ``models[r]``,

@@ -45,20 +45,29 @@ def _loop():
     return numba_module().njit(cache=True)(_expert_times_loop)
 
 
+def _expert_times_numpy(tokens, s_per_token, read_s, keys, num_keys, out, num_calls):
+    active = tokens > 0
+    np.multiply(tokens, s_per_token, out=out)
+    np.maximum(out, read_s, out=out)
+    out *= active
+    num_calls[:] = np.count_nonzero(np.bincount(keys[active], minlength=num_keys).reshape(len(num_calls), -1), axis=1)
+
+
+def expert_times_into(compiled: bool | None = None):
+    """The pass of ``expert_times`` writing into the caller's ``out`` and ``num_calls``:
+    ``f(tokens, s_per_token, read_s, keys, num_keys, out, num_calls)``, the numba loop (default
+    where numba is installed) or the numpy passes. A caller that times every step keeps its
+    buffers and calls it directly: the allocations and this module's dispatch were half the
+    pass's cost on Mixtral-8x7B (1.5 against 0.7 us)."""
+    return _loop() if (available() if compiled is None else compiled) else _expert_times_numpy
+
+
 def expert_times(tokens, s_per_token, read_s, keys, num_keys, compiled: bool | None = None):
     """Per rank (rows of the 2-D inputs, each rank's experts flattened): the experts' times
     (``out``, 0 where inactive) and the distinct active ``keys`` (launches);
     ``keys`` of different ranks must not collide, all below ``num_keys``. ``compiled``: the
     numba loop (default where numba is installed) or the numpy passes (the same values)."""
-    num_ranks = tokens.shape[0]
     out = np.empty(tokens.shape)
-    num_calls = np.empty(num_ranks, dtype=np.int64)
-    if available() if compiled is None else compiled:
-        _loop()(tokens, s_per_token, read_s, keys, num_keys, out, num_calls)
-        return out, num_calls
-    active = tokens > 0
-    np.multiply(tokens, s_per_token, out=out)
-    np.maximum(out, read_s, out=out)
-    out *= active
-    num_calls[:] = np.count_nonzero(np.bincount(keys[active], minlength=num_keys).reshape(num_ranks, -1), axis=1)
+    num_calls = np.empty(tokens.shape[0], dtype=np.int64)
+    expert_times_into(compiled)(tokens, s_per_token, read_s, keys, num_keys, out, num_calls)
     return out, num_calls
