@@ -103,6 +103,23 @@ def test_step_recorder_keeps_rows_exact_across_blocks():
     assert (cols["free_pages"] == 64).all()
 
 
+def test_step_recorder_takes_numpy_scalars_and_counts_given_as_floats():
+    """A runtime may hand numpy scalars, or a count as a float: stored as the int64 cast of the
+    value (truncated), as before rows were packed; a value that is not a number names its column."""
+    pool = PagePool(8 * 4096, 4096)
+    rec = StepRecorder()
+    common = dict(num_waiting=0, num_decodes=1, num_preempted=0, kv_blocks_used=1, kv_blocks_free=3, pool=pool)
+    rec.record(start_s=np.float64(0.5), duration_s=0.25, num_running=np.int64(7), num_prefill_tokens=4, **common)
+    rec.record(start_s=1, duration_s=0.25, num_running=2, num_prefill_tokens=4.0, bytes_swapped=3.9, **common)
+    cols = rec.columns()
+    assert cols["num_running"].tolist() == [7, 2] and cols["num_prefill_tokens"].tolist() == [4, 4]
+    assert cols["bytes_swapped"].tolist() == [0, 3] and cols["start_s"].tolist() == [0.5, 1.0]
+    with pytest.raises(TypeError, match="num_waiting"):
+        rec.record(start_s=2.0, duration_s=0.25, num_running=1, num_prefill_tokens=0,
+                   **{**common, "num_waiting": "many"})  # fmt: skip
+    assert len(rec.columns()["step"]) == 2
+
+
 @pytest.mark.parametrize("window", [1, 10, StepRecorder.CHUNK_ROWS, StepRecorder.CHUNK_ROWS + 3])
 def test_step_recorder_window_keeps_the_newest_rows_across_blocks(window):
     """A server's history window: only the newest ``window`` steps, numbered as recorded, and

@@ -15,6 +15,7 @@ every SLO that is set.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -272,9 +273,12 @@ class StepRecorder:
     """One row per engine step, appended on the hot path of a run (~110,000 rows for an hour of
     simulated chat traffic, ~250,000 for an hour of long context).
 
-    Rows are held column by column in blocks of ``CHUNK_ROWS`` steps (216 bytes a step: int64
+    Rows are held column by column in blocks of ``CHUNK_ROWS`` steps (8 bytes a value: int64
     counts, float64 times and ratios), not as Python objects: a tuple per step cost ~700 bytes
-    and a conversion at the end. ``columns()`` joins the blocks once and hands out views."""
+    and a conversion at the end. The block being filled is a buffer each row is packed into
+    (``struct``, 0.6 us a row), and a full block becomes two arrays by reinterpreting its bytes;
+    a list of tuples cost 0.5 us a row to build and 0.8 us to convert (``np.array``, 4% of a
+    static policy's step). ``columns()`` joins the blocks once and hands out views."""
 
     BASE_COLUMNS = (
         "step",
@@ -309,12 +313,16 @@ class StepRecorder:
     _INT_IDX = [i for i, c in enumerate(COLUMNS) if c not in _STEP_FLOAT_COLUMNS]
     _FLOAT_NAMES = [c for c in COLUMNS if c in _STEP_FLOAT_COLUMNS]
     _INT_NAMES = [c for c in COLUMNS if c not in _STEP_FLOAT_COLUMNS]
+    # One row as packed bytes: each value 8 bytes, in column order (native, aligned).
+    _ROW = struct.Struct("=" + "".join("d" if c in _STEP_FLOAT_COLUMNS else "q" for c in COLUMNS))
 
     def __init__(self, max_rows: int | None = None) -> None:
         """``max_rows``: keep only the newest rows (a long-running server); None keeps all."""
         # Full blocks: (float columns, int columns), each (columns, rows), C order.
         self._chunks: list[tuple[np.ndarray, np.ndarray]] = []
-        self._rows: list[tuple] = []  # the block being filled (at most CHUNK_ROWS tuples)
+        # The block being filled: ``_num_rows`` packed rows (``_ROW``) at the start of ``_buf``.
+        self._buf = bytearray(self._ROW.size * self.CHUNK_ROWS)
+        self._num_rows = 0
         self._max_rows = max_rows or None
         self._num_held = 0  # rows in the blocks and the block being filled
         self.num_recorded = 0  # every step, beyond the window too
@@ -344,42 +352,55 @@ class StepRecorder:
     ) -> None:
         counts = pool.counts()
         capacity = kv_blocks_used + kv_blocks_free
-        rows = self._rows
-        rows.append(
-            (
-                self.num_recorded,
-                start_s,
-                duration_s,
-                num_running,
-                num_waiting,
-                num_prefill_tokens,
-                num_decodes,
-                num_preempted,
-                kv_blocks_used,
-                kv_blocks_used / capacity if capacity else 0.0,
-                counts[OWNER_KV],
-                counts[OWNER_PINNED],
-                counts[OWNER_TRANSITION],
-                counts[OWNER_FREE],
-                num_downgrades,
-                num_upgrades,
-                bytes_downgraded,
-                bytes_upgraded,
-                bytes_swapped,
-                quality_proxy,
-                counts[OWNER_KV_CACHED],
-                prefix_hit_tokens,
-                kv_evicted_blocks,
-                *counts[_WEIGHT_OWNERS],
-            )
+        row = (
+            self.num_recorded,
+            start_s,
+            duration_s,
+            num_running,
+            num_waiting,
+            num_prefill_tokens,
+            num_decodes,
+            num_preempted,
+            kv_blocks_used,
+            kv_blocks_used / capacity if capacity else 0.0,
+            counts[OWNER_KV],
+            counts[OWNER_PINNED],
+            counts[OWNER_TRANSITION],
+            counts[OWNER_FREE],
+            num_downgrades,
+            num_upgrades,
+            bytes_downgraded,
+            bytes_upgraded,
+            bytes_swapped,
+            quality_proxy,
+            counts[OWNER_KV_CACHED],
+            prefix_hit_tokens,
+            kv_evicted_blocks,
+            *counts[_WEIGHT_OWNERS],
         )
+        try:
+            self._ROW.pack_into(self._buf, self._num_rows * self._ROW.size, *row)
+        except struct.error:  # a count given as a float (or numpy float): stored as int64 casts it
+            self._ROW.pack_into(self._buf, self._num_rows * self._ROW.size, *self._coerced(row))
+        self._num_rows += 1
         self.num_recorded += 1
         self._num_held += 1
         self._columns = None
-        if len(rows) == self.CHUNK_ROWS:
-            self._chunks.append(self._block(rows))
-            self._rows = []
+        if self._num_rows == self.CHUNK_ROWS:
+            self._chunks.append(self._block())
             self._trim()
+
+    @classmethod
+    def _coerced(cls, row: tuple) -> list:
+        """``row`` with each int column's value truncated to an int, as a cast to int64 does;
+        any value that is not a real number raises a clear error naming its column."""
+        out = []
+        for name, v in zip(cls.COLUMNS, row, strict=True):
+            try:
+                out.append(float(v) if name in _STEP_FLOAT_COLUMNS else int(v))
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"steps column {name}: {v!r} is not a number") from e
+        return out
 
     def _trim(self) -> None:
         """Drops whole blocks that lie entirely before the window (``columns`` cuts the rest)."""
@@ -388,10 +409,15 @@ class StepRecorder:
         while self._chunks and self._num_held - self._chunks[0][0].shape[1] >= self._max_rows:
             self._num_held -= self._chunks.pop(0)[0].shape[1]
 
-    @classmethod
-    def _block(cls, rows: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
-        table = np.array(rows, dtype=np.float64)  # exact: every count is far below 2**53
-        return np.ascontiguousarray(table[:, cls._FLOAT_IDX].T), table[:, cls._INT_IDX].T.astype(np.int64, order="C")
+    def _block(self) -> tuple[np.ndarray, np.ndarray]:
+        """The packed rows as (float columns, int columns), each (columns, rows), C order; the
+        buffer is then free for the next block."""
+        n, ncols = self._num_rows, len(self.COLUMNS)
+        words = np.frombuffer(self._buf, dtype=np.float64, count=n * ncols).reshape(n, ncols)
+        floats = np.ascontiguousarray(words[:, self._FLOAT_IDX].T)
+        ints = np.ascontiguousarray(words.view(np.int64)[:, self._INT_IDX].T)  # fancy indexing copies
+        self._num_rows = 0
+        return floats, ints
 
     def __len__(self) -> int:
         return min(self._num_held, self._max_rows or self._num_held)
@@ -401,9 +427,8 @@ class StepRecorder:
             return self._columns
         if not self._num_held:
             return {c: np.zeros(0) for c in self.COLUMNS}
-        if self._rows:
-            self._chunks.append(self._block(self._rows))
-            self._rows = []
+        if self._num_rows:
+            self._chunks.append(self._block())
         if len(self._chunks) > 1:  # joined once: the blocks are replaced, not kept beside
             floats = np.concatenate([f for f, _ in self._chunks], axis=1)
             ints = np.concatenate([i for _, i in self._chunks], axis=1)
