@@ -493,28 +493,29 @@ class RuntimeCore:
     ) -> None:
         """One row of steps.csv. ``bytes_swapped``: KV bytes the step moved between host and
         device (the kv-swap policy)."""
-        sched, c = self.scheduler, self._counters
+        sched, c, kv = self.scheduler, self._counters, self.kv
+        # By position, in ``StepRecorder.record``'s order (keywords cost more than the row).
         self.steps.record(
-            start_s=start_s,
-            duration_s=duration_s,
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_prefill_tokens=shape.num_prefill_tokens,
-            num_decodes=shape.num_decodes,
-            num_preempted=len(batch.preempted),
-            kv_blocks_used=self.kv.num_used_blocks,
-            kv_blocks_free=self.kv.num_free_blocks,
-            pool=self.pool,
-            num_downgrades=c[0],
-            num_upgrades=c[1],
-            bytes_downgraded=c[2],
-            bytes_upgraded=c[3],
-            bytes_swapped=bytes_swapped,
-            quality_proxy=self.quality_proxy,
-            prefix_hit_tokens=sched.prefix_hit_tokens - self._prefix_seen[0],
-            kv_evicted_blocks=self.kv.num_evicted_blocks - self._prefix_seen[1],
+            start_s,
+            duration_s,
+            len(sched.running),
+            len(sched.waiting),
+            shape.num_prefill_tokens,
+            len(shape.decode_kv_lens),  # num_decodes
+            len(batch.preempted),
+            kv.num_used_blocks,
+            kv.num_free_blocks,
+            self.pool,
+            c[0],  # num_downgrades
+            c[1],  # num_upgrades
+            c[2],  # bytes_downgraded
+            c[3],  # bytes_upgraded
+            bytes_swapped,
+            self.quality_proxy,
+            sched.prefix_hit_tokens - self._prefix_seen[0],  # prefix_hit_tokens
+            kv.num_evicted_blocks - self._prefix_seen[1],  # kv_evicted_blocks
         )
         self._counters = [0, 0, 0, 0]
         if self.controller is not None:
             self.controller.observe_step(duration_s, shape.num_prefill_tokens, shape.num_decodes)
-        self._prefix_seen = (sched.prefix_hit_tokens, self.kv.num_evicted_blocks)
+        self._prefix_seen = (sched.prefix_hit_tokens, kv.num_evicted_blocks)

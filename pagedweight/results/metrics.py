@@ -330,7 +330,6 @@ class StepRecorder:
 
     def record(
         self,
-        *,
         start_s: float,
         duration_s: float,
         num_running: int,
@@ -350,6 +349,8 @@ class StepRecorder:
         prefix_hit_tokens: int = 0,
         kv_evicted_blocks: int = 0,
     ) -> None:
+        """One step's row. The runtime core passes the values by position, in this order: 18
+        keywords cost 0.7 us a call to bind (2% of a static policy's step), positions 0.1."""
         counts = pool.counts()
         capacity = kv_blocks_used + kv_blocks_free
         row = (
