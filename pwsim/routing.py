@@ -85,21 +85,24 @@ class UniformStream:
 
     def array(self, shape: tuple[int, ...]) -> np.ndarray:
         """The next ``prod(shape)`` uniforms, in that shape."""
-        n = math.prod(shape)
+        return self.take(math.prod(shape)).reshape(shape)
+
+    def take(self, n: int) -> np.ndarray:
+        """The next ``n`` uniforms (1-D)."""
         left = len(self._array) - self._pos
         if n <= left:
-            out = self._array[self._pos : self._pos + n]
-            self._pos += n
-            return out.reshape(shape)
+            pos = self._pos
+            self._pos = pos + n
+            return self._array[pos : pos + n]
         head, rest = self._array[self._pos :], n - left
         if rest > self.block:
             self._pos = len(self._array)
-            return np.concatenate([head, self.rng.random(rest)]).reshape(shape)
+            return np.concatenate([head, self.rng.random(rest)])
         # The next block now: left exhausted, a stream of array draws alone (a static policy's
         # small batches) would otherwise draw every later call afresh and join it to nothing.
         self._refill()
         self._pos = rest
-        return np.concatenate([head, self._array[:rest]]).reshape(shape)
+        return np.concatenate([head, self._array[:rest]])
 
 
 def waterfill_top_k(freqs: np.ndarray, top_k: int) -> np.ndarray:
@@ -176,7 +179,8 @@ class RoutingSampler:
         self.systematic_limit_points = systematic_limit_points
         if routing_kernels.available() if compiled is None else compiled:
             self._values, self._counts = routing_kernels.values, routing_kernels.counts
-            self._systematic_counts = routing_kernels.systematic
+            # The loop itself, not its wrapper: most steps of a small batch are this call alone.
+            self._systematic_counts = routing_kernels.systematic_loop()
         else:
             self._values, self._counts = routing_kernels.values_numpy, routing_kernels.counts_numpy
             self._systematic_counts = routing_kernels.systematic_numpy
@@ -227,7 +231,7 @@ class RoutingSampler:
     def _systematic(self, num_tokens: int) -> np.ndarray:
         """Counts (L, E) by systematic sampling (``routing_kernels.systematic_numpy``): exact,
         distinct experts per token; the regime of small batches."""
-        u = self._stream.array((self._num_layers * num_tokens,))
+        u = self._stream.take(self._num_layers * num_tokens)
         out = np.zeros(self._num_layers * self._num_experts, dtype=np.int64)
         self._systematic_counts(u, self._inclusion_cum_flat, self._num_layers, num_tokens, self.top_k, out)
         return out.reshape(self._num_layers, self._num_experts)

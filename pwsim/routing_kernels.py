@@ -173,6 +173,11 @@ def counts(x, weight, sums, total, num_tokens, num_experts, ratio, out) -> bool:
     return _loops()[1](x, weight, sum_x, sum_w, float(total), float(num_tokens), adjust, num_experts, ratio, out)
 
 
+def systematic_loop():
+    """The compiled loop of ``systematic`` (numba imported, and the loop loaded, here)."""
+    return _loops()[2]
+
+
 def systematic(uniforms, cum_flat, num_layers, num_tokens, top_k, out):
     """``systematic_numpy``, compiled (``out`` must be zeros)."""
     _loops()[2](uniforms, cum_flat, num_layers, num_tokens, top_k, out)
