@@ -222,8 +222,12 @@ class RoutingSampler:
         self._uniforms = self.rng.random(max(NOISE_POOL_VALUES, 2 * size))
         # Every later draw in order from one stream (per-step scalars are the costly kind).
         self._stream = UniformStream(self.rng)
-        # ``_normal``'s work arrays: values, their weights, each layer's ratio
+        # ``_normal``'s work arrays: values, their weights (and both as (L, E) views), each
+        # layer's sums of them and its ratio.
         self._x, self._weight, self._ratio = np.empty(size), np.empty(size), np.empty(self._num_layers)
+        shape = (self._num_layers, self._num_experts)
+        self._x_rows, self._weight_rows = self._x.reshape(shape), self._weight.reshape(shape)
+        self._sum_x, self._sum_weight = np.empty(self._num_layers), np.empty(self._num_layers)
         self._ones_experts = np.ones(self._num_experts)
         self._by_tokens: dict[int, np.ndarray] = {}
         self._max_cached_token_counts = TOKEN_CACHE_BYTES // (8 * size)
@@ -268,8 +272,10 @@ class RoutingSampler:
             # importance-like frequencies.
             # The counts' pass finds each layer's ratio, (T k - sum x) / sum x (T - x), and
             # refuses (False) when one is too large (or NaN: no movable mass).
-            rows = x.reshape(self._num_layers, self._num_experts)
-            sums = (rows @ self._ones_experts, weight.reshape(rows.shape) @ self._ones_experts)
+            # np.dot into the work arrays: BLAS's matrix-vector product, as ``rows @ ones`` is
+            # (the same floats), with less of numpy's dispatch.
+            ones = self._ones_experts
+            sums = (np.dot(self._x_rows, ones, self._sum_x), np.dot(self._weight_rows, ones, self._sum_weight))
         # Rounding the running sum keeps every count in [0, T] (each x is) and each layer's
         # total exact (every layer's total is an integer, so layer boundaries round exactly).
         out = np.empty(len(x), dtype=np.int64)
