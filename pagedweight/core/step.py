@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class StepShape:
     """Sequences of ints (the scheduler's lists as they are: a step's latency model reads them
     in a Python loop, so making arrays of them, ~1 us each, would be spent for nothing; numpy
@@ -26,11 +26,18 @@ class StepShape:
     num_prefill_tokens: int = -1
     decode_kv_tokens: int = -1  # sum of decode_kv_lens: KV entries the decodes read
 
-    def __post_init__(self) -> None:
-        if self.num_prefill_tokens < 0:
-            self.num_prefill_tokens = int(sum(self.prefill_tokens))
-        if self.decode_kv_tokens < 0:
-            self.decode_kv_tokens = int(sum(self.decode_kv_lens))
+    def __init__(
+        self,
+        prefill_tokens: Sequence[int],
+        prefill_kv_lens: Sequence[int],
+        decode_kv_lens: Sequence[int],
+        num_prefill_tokens: int = -1,
+        decode_kv_tokens: int = -1,
+    ) -> None:
+        # Written out (one call a step, not a generated __init__ and a __post_init__).
+        self.prefill_tokens, self.prefill_kv_lens, self.decode_kv_lens = prefill_tokens, prefill_kv_lens, decode_kv_lens
+        self.num_prefill_tokens = int(sum(prefill_tokens)) if num_prefill_tokens < 0 else num_prefill_tokens
+        self.decode_kv_tokens = int(sum(decode_kv_lens)) if decode_kv_tokens < 0 else decode_kv_tokens
 
     @property
     def num_decodes(self) -> int:
