@@ -351,11 +351,13 @@ class Scheduler:
         if self.step_limits is not None:  # the pagedweight controller's SLO-aware limits
             budget, max_seqs = self.step_limits(now_s)
         running, block_tokens = self.running, self.kv.block_tokens
-        out_reqs, out_tokens, dec_kv = batch.requests, batch.num_new_tokens, batch.decode_kv_lens
-        add_req, add_tokens, add_kv = out_reqs.append, out_tokens.append, dec_kv.append
-        # The hot loop of both runtimes (~0.3 us per running request): most requests decode
+        add_kv = batch.decode_kv_lens.append
+        # The hot loop of both runtimes (~0.2 us per running request): most requests decode
         # with room left in their last block, so that case comes first and calls nothing but
-        # the three appends (bound once).
+        # one append (bound once). Every request the loop passes joins the batch in order
+        # unless it is itself preempted, which ends the loop: the batch's requests are the
+        # first ``taken`` of ``running``, sliced once after the loop, each with one new token
+        # but the prefill chunks (``chunks``: position and tokens).
         # A decode whose last block is full needs one more (one in ``block_tokens`` steps, ~10
         # a step in a batch of 150). While the allocator can hand such blocks out one by one
         # without a shortage (``KvBlockAllocator.num_growable_blocks``), they are taken together
@@ -365,15 +367,16 @@ class Scheduler:
         # Victims of a preemption are popped from the end, which the iteration has not reached.
         grow: list[Request] = []
         room = None  # asked of the allocator when the first decode needs a block
+        chunks: list[tuple[int, int]] = []
+        taken = None  # None: every request the loop passed (it ran to the end)
         for req in running:
             computed = req.num_computed_tokens
             remaining = req.prompt_tokens + req.num_output_tokens - computed
             if remaining == 1 and computed < len(req.block_ids) * block_tokens:
-                add_req(req)
-                add_tokens(1)
                 add_kv(computed + 1)
                 budget -= 1
                 if budget <= 0:
+                    taken = running.index(req) + 1
                     break
                 continue
             num_new = remaining if remaining <= budget else budget
@@ -397,22 +400,28 @@ class Scheduler:
                             preempted_self = True
                             break
                     if preempted_self:
-                        break  # nothing older is left to preempt
+                        break  # nothing older is left to preempt; ``running`` is what it passed
                     if memo is not None:  # its promise now lacks fewer blocks
                         promise = self._promise(req)
                         memo += max(0, promise - len(req.block_ids)) - max(0, promise - held)
                     room = None
             if remaining == 1:
-                out_reqs.append(req)
-                out_tokens.append(1)
-                dec_kv.append(computed + 1)
+                add_kv(computed + 1)
             else:
-                batch.add(req, num_new, remaining)
+                chunks.append((running.index(req), num_new))
+                batch.prefill_tokens.append(num_new)
+                batch.prefill_kv_lens.append(computed + num_new)
             budget -= num_new
             if budget <= 0:
+                taken = running.index(req) + 1
                 break
         if grow:
             self._grow(grow)
+        taken = len(running) if taken is None else taken
+        batch.requests = running[:taken]
+        batch.num_new_tokens = new_tokens = [1] * taken
+        for position, num_new in chunks:
+            new_tokens[position] = num_new
         # Victims are taken from the end of ``running``, beyond the loop, so none of them is in
         # the batch already. As in vLLM, a step that had to preempt admits nobody new.
         if batch.preempted:
