@@ -41,6 +41,30 @@ def test_prefill_is_chunked_and_decodes_go_first():
     assert done == [a] and a.num_output_tokens == 3 and list(a.token_times_s) == [2.0, 3.0, 4.0]
 
 
+def test_running_prefill_chunk_between_decodes_keeps_its_place_and_tokens():
+    """The batch lists the running requests in order, each with one token but a prefill chunk
+    (at its own position), and the budget cut falls after the request that spent it."""
+    _, _, s = make(256, max_num_batched_tokens=8)
+    a, b, c, d = Request(0, 0.0, 2, 9), Request(1, 0.0, 12, 9), Request(2, 0.0, 2, 9), Request(3, 0.0, 2, 9)
+    for r in (a, b, c, d):
+        s.add(r)
+    batch, _, _ = step(s, 0.0)  # a (2), b (6 of 12): the budget is spent
+    assert batch.requests == [a, b] and batch.num_new_tokens == [2, 6]
+    s.waiting.remove(c), s.waiting.remove(d)  # c and d join behind b as decodes
+    for r in (c, d):
+        r.state, r.num_computed_tokens, r.num_output_tokens = RUNNING, 2, 1
+        r.block_ids = s.kv.allocate(1)
+        s.running.append(r)
+    batch, shape, _ = step(s, 1.0)  # a 1, b its last 6, then 1 token left: c, not d
+    assert batch.requests == [a, b, c] and batch.num_new_tokens == [1, 6, 1]
+    assert shape.prefill_tokens == [6] and shape.prefill_kv_lens == [12] and shape.decode_kv_lens == [3, 3]
+    assert b.first_token_s == 2.0
+    s.config = SchedulerConfig(max_num_batched_tokens=100)
+    batch, shape, _ = step(s, 2.0)
+    assert batch.requests == [a, b, c, d] and batch.num_new_tokens == [1, 1, 1, 1]
+    assert shape.decode_kv_lens == [4, 13, 4, 3]  # b: 12 prompt tokens + its first output
+
+
 def test_max_num_seqs_limits_admission():
     _, _, s = make(64, max_num_seqs=2)
     reqs = [Request(i, 0.0, 3, 5) for i in range(3)]
