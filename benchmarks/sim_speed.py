@@ -205,8 +205,14 @@ def all_policies(workdir: Path, jobs: int) -> dict:
     cmd = [sys.executable, "-m", "pwsim.cli", "run", str(workdir / "longctx.yaml"), "--out", str(out), "--no-progress"]
     if jobs > 1:
         cmd += ["--jobs", str(jobs)]
+    # From the root of the tree this process imports (``--before``'s or this one): ``python -m``
+    # puts the working directory first on the path, ahead of PYTHONPATH, so run from another
+    # checkout it would time that checkout's code.
+    import pwsim
+
+    root = Path(pwsim.__file__).resolve().parent.parent
     wall0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
     wall_s = time.perf_counter() - wall0
     if done.returncode != 0:
         raise SystemExit(f"pwsim run failed: {done.stderr.strip()[-2000:]}")
