@@ -315,7 +315,8 @@ class StepRecorder:
     _INT_IDX = [i for i, c in enumerate(COLUMNS) if c not in _STEP_FLOAT_COLUMNS]
     _FLOAT_NAMES = [c for c in COLUMNS if c in _STEP_FLOAT_COLUMNS]
     _INT_NAMES = [c for c in COLUMNS if c not in _STEP_FLOAT_COLUMNS]
-    # One row as packed bytes: each value 8 bytes, in column order (native, aligned).
+    # One row as packed bytes: each value 8 bytes, in column order, native byte order (as
+    # numpy's float64 and int64 read them back), no padding.
     _ROW = struct.Struct("=" + "".join("d" if c in _STEP_FLOAT_COLUMNS else "q" for c in COLUMNS))
 
     def __init__(self, max_rows: int | None = None) -> None:
