@@ -284,7 +284,7 @@ def test_step_arrays_give_the_frame_the_csv_gives(tmp_path):
     None where the CSV reader's types would not hold the values."""
     from pagedweight.config.scenario import load_scenario
     from pagedweight.results import report_data
-    from pagedweight.results.writer import ResultsWriter
+    from pagedweight.results.writer import STEP_ARRAYS, ResultsWriter
     from pwsim.run import scenario_run, simulate_policy
 
     scenario = tmp_path / "pressure.yaml"
@@ -298,12 +298,11 @@ def test_step_arrays_give_the_frame_the_csv_gives(tmp_path):
     arrays = writer.step_arrays()
     assert [p for p, _ in arrays] == list(run.policies)
     simulate_policy(loaded, run, "static-fp16", str(tmp_path / "plain"))  # no report: no arrays
-    assert (tmp_path / "plain" / "steps.csv").is_file() and not (tmp_path / "plain" / "steps.npz").exists()
+    assert (tmp_path / "plain" / "steps.csv").is_file() and not (tmp_path / "plain" / STEP_ARRAYS).exists()
     held = report_data.steps_from_arrays(arrays)
-    with np.load(arrays[0][1]) as a:
-        cols = {k: a[k] for k in a.files}
-    first = tmp_path / "first.npz"
-    np.savez(first, **cols)
+    cols = {k: np.array(v) for k, v in report_data.load_step_arrays(arrays[0][1]).items()}
+    first = tmp_path / "first"
+    report_data.save_step_arrays(first, cols)
     writer.write()
     read = report_data._steps_csv(tmp_path / "out" / "steps.csv")
     pd.testing.assert_frame_equal(held, read)
@@ -313,9 +312,13 @@ def test_step_arrays_give_the_frame_the_csv_gives(tmp_path):
     cols["kv_pages"] = cols["kv_pages"].astype(np.int64) + 2**31
     assert report_data.report_step_arrays(cols) is None
     # Parts whose columns differ: the CSV too.
-    path = tmp_path / "fewer.npz"
-    np.savez(path, **{k: v for k, v in cols.items() if k != "kv_pages"})
+    path = tmp_path / "fewer"
+    report_data.save_step_arrays(path, {k: v for k, v in cols.items() if k != "kv_pages"})
     assert report_data.steps_from_arrays([("static-fp16", first), ("x", path)]) is None
+    # A part whose arrays were not all written (no column list yet): the CSV.
+    (first / report_data.STEP_ARRAY_COLUMNS).unlink()
+    assert report_data.load_step_arrays(first) is None
+    assert report_data.steps_from_arrays([("static-fp16", first)]) is None
 
 
 def test_policy_steps_are_the_rows_a_mask_selects():

@@ -34,7 +34,7 @@ from pagedweight.core.spec import PRECISION_NAMES, ladder
 from pagedweight.core.transition_log import TRANSITION_COLUMNS, TransitionLog
 from pagedweight.results import csv_rows
 from pagedweight.results.metrics import RequestColumns, Slo, request_table, summarize
-from pagedweight.results.report_data import report_step_arrays
+from pagedweight.results.report_data import report_step_arrays, save_step_arrays
 
 _CSV_SPECIAL = (",", '"', "\n", "\r")  # a field holding one is quoted
 
@@ -177,8 +177,9 @@ TABLES = ("requests", "steps", "transitions", "initial_precisions")
 # per rank and step, or per precision change; an hour of paper-greedy on a 6,144-expert model
 # logs ~13 million changes.
 STEP_TABLES = ("steps", "transitions", "initial_precisions", "steps_by_rank", "ep_steps")
-# A part's step table as arrays too (``numpy.savez``), for the report of the run that wrote it.
-STEP_ARRAYS = "steps.npz"
+# A part's step table as arrays too (a folder, ``report_data.save_step_arrays``), for the report
+# of the run that wrote it.
+STEP_ARRAYS = "step_arrays"
 # Tables only some runs have (an expert-parallel replica's, ``pwsim.parallel``): joined when present.
 OPTIONAL_TABLES = ("steps_by_rank", "ep_steps")
 
@@ -211,7 +212,7 @@ def write_policy_tables(
     _write_columns(parts_dir / "steps.csv", policy, steps, replica)
     arrays = report_step_arrays(steps) if step_arrays and replica is None else None
     if arrays is not None:  # the same rows for the run's report, read back without parsing text
-        np.savez(parts_dir / STEP_ARRAYS, **arrays)
+        save_step_arrays(parts_dir / STEP_ARRAYS, arrays)
     write_transitions(parts_dir / "transitions.csv", policy, core.transitions, replica)
     df = pd.DataFrame(
         {"expert": experts, "layer": experts // core.model.num_experts, "precision": np.asarray(PRECISION_NAMES)[ids]}
@@ -430,7 +431,7 @@ class ResultsWriter:
         out = []
         for part in self._parts:
             path = part / STEP_ARRAYS
-            if not path.is_file():
+            if not path.is_dir():
                 return None
             out.append((self._part_policy[part], path))
         return out
