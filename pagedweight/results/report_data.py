@@ -243,31 +243,33 @@ def save_step_arrays(folder: Path, arrays: dict[str, np.ndarray]) -> None:
     (folder / STEP_ARRAY_COLUMNS).write_text(json.dumps(list(arrays)))
 
 
-def load_step_arrays(folder: Path) -> dict[str, np.ndarray] | None:
-    """The columns ``save_step_arrays`` wrote, in order, mapped read-only from their files;
-    None where the folder holds no complete set."""
+def load_step_arrays(folder: Path) -> dict[str, Path] | None:
+    """The column files ``save_step_arrays`` wrote, by column in order (``numpy.load`` each,
+    ``mmap_mode="r"`` to map it); None where the folder holds no complete set."""
     folder = Path(folder)
     try:
         names = json.loads((folder / STEP_ARRAY_COLUMNS).read_text())
-        return {name: np.load(folder / f"{i}.npy", mmap_mode="r") for i, name in enumerate(names)}
     except (OSError, ValueError):
         return None
+    files = {name: folder / f"{i}.npy" for i, name in enumerate(names)}
+    return files if all(f.is_file() for f in files.values()) else None
 
 
 def steps_from_arrays(parts: list[tuple[str, Path]]) -> pd.DataFrame | None:
     """The frame ``_steps_csv`` reads from the steps.csv of these parts (each a policy and the
     folder of its ``report_step_arrays``, ``save_step_arrays``), without parsing 30 columns of
     text per step (~3.5 s for the 2.8 million steps of 7 policies over a long-context hour);
-    filled column by column into arrays of their final length, as ``_steps_csv`` fills them.
-    None where a part has no arrays, the parts do not have the same columns or there are no
-    rows: the caller reads the CSV."""
+    filled column by column into arrays of their final length, as ``_steps_csv`` fills them,
+    each part's column mapped only while it is copied (mapped pages count in the process's
+    memory). None where a part has no arrays, the parts do not have the same columns or there
+    are no rows: the caller reads the CSV."""
     files = [(policy, load_step_arrays(path)) for policy, path in parts]
     if not files or any(f is None for _, f in files):
         return None
     names = list(files[0][1])
     if not names or any(list(f) != names for _, f in files):
         return None
-    lengths = [len(f[names[0]]) for _, f in files]
+    lengths = [len(np.load(f[names[0]], mmap_mode="r")) for _, f in files]
     total = sum(lengths)
     if not total:
         return None
@@ -280,13 +282,14 @@ def steps_from_arrays(parts: list[tuple[str, Path]]) -> pd.DataFrame | None:
     for name in names:
         out, at = None, 0
         for (_, f), n in zip(files, lengths, strict=True):
-            values = f[name]
+            values = np.load(f[name], mmap_mode="r")
             if out is None:
                 out = np.empty(total, dtype=values.dtype)
             if values.dtype != out.dtype or len(values) != n:
                 return None
             out[at : at + n] = values
             at += n
+            del values  # unmapped here, not when the frame is done
         cols[name] = out
     return pd.DataFrame(cols, copy=False)
 
