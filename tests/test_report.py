@@ -300,7 +300,7 @@ def test_step_arrays_give_the_frame_the_csv_gives(tmp_path):
     simulate_policy(loaded, run, "static-fp16", str(tmp_path / "plain"))  # no report: no arrays
     assert (tmp_path / "plain" / "steps.csv").is_file() and not (tmp_path / "plain" / STEP_ARRAYS).exists()
     held = report_data.steps_from_arrays(arrays)
-    cols = {k: np.load(v) for k, v in report_data.load_step_arrays(arrays[0][1]).items()}
+    cols = {k: np.load(v) for k, v in report_data.step_array_files(arrays[0][1]).items()}
     first = tmp_path / "first"
     report_data.save_step_arrays(first, cols)
     writer.write()
@@ -317,7 +317,7 @@ def test_step_arrays_give_the_frame_the_csv_gives(tmp_path):
     assert report_data.steps_from_arrays([("static-fp16", first), ("x", path)]) is None
     # A part whose arrays were not all written (no column list yet): the CSV.
     (first / report_data.STEP_ARRAY_COLUMNS).unlink()
-    assert report_data.load_step_arrays(first) is None
+    assert report_data.step_array_files(first) is None
     assert report_data.steps_from_arrays([("static-fp16", first)]) is None
 
 
